@@ -1,0 +1,155 @@
+"""Load one MLX model the way mlx-lm does, instrumented and ready for the scoring kernels."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MAX_LENGTH = 2048
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded; the message names the problem and the fix in one line."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # mlx.nn.Module, decoder blocks wrapped by worker.hooks.instrument
+    tokenizer: Any  # mlx_lm TokenizerWrapper; the worker only decodes with it (generation stop strings)
+    hooks: Any  # worker.hooks.HookManager
+    config: dict
+    path: Path
+    max_length: int
+    head: Any = field(default=None, repr=False)  # worker.score.Head: hidden states -> logits at chosen rows
+
+
+def is_local(path_or_repo: str) -> bool:
+    """A Hugging Face repo id looks like `org/name` and is not an existing path; everything else is local."""
+    p = Path(path_or_repo).expanduser()
+    return p.exists() or not _REPO_ID.match(path_or_repo)
+
+
+def validate_local(path: Path, adapter_path: str | None = None) -> None:
+    """Check a local model folder (and adapter) before MLX is imported: one clear error per problem."""
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path} (pass a local model folder or a Hugging Face repo id)")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path is not a folder: {path} (pass the folder holding config.json)")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(f"no config.json in {path}: not a Hugging Face / mlx-lm model folder")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not list(path.glob("model*.safetensors")):
+        raise ModelLoadError(f"no model*.safetensors weights in {path} (convert with `mlx_lm.convert` first)")
+    check_architecture(config, config_file)
+    if adapter_path is not None:
+        adapter = Path(adapter_path).expanduser()
+        if not adapter.exists():
+            raise ModelLoadError(f"adapter path does not exist: {adapter} (pass the folder written by mlx_lm.lora)")
+        if not (adapter / "adapter_config.json").exists():
+            raise ModelLoadError(f"no adapter_config.json in {adapter}: not an mlx-lm LoRA adapter folder")
+
+
+def check_architecture(config: dict, where: Any = "config.json") -> None:
+    import importlib.util
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ModelLoadError(f"{where} has no model_type: cannot tell which architecture to build")
+    module = MODEL_REMAPPING.get(model_type, model_type)
+    if not re.fullmatch(r"\w+", module) or importlib.util.find_spec(f"mlx_lm.models.{module}") is None:
+        raise ModelLoadError(
+            f"unknown architecture {model_type!r} in {where}: mlx-lm has no such model (upgrade mlx-lm or use a supported model)"
+        )
+
+
+def context_window(config: dict, override: int | None = None) -> int:
+    if override:
+        return int(override)
+    for source in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(source.get(key), int) and source[key] > 0:
+                return source[key]
+    return DEFAULT_MAX_LENGTH
+
+
+def resolve(path_or_repo: str, revision: str | None = None, adapter_path: str | None = None) -> Path:
+    """A local folder (validated) or a Hugging Face snapshot (downloaded by mlx-lm's rules)."""
+    if is_local(path_or_repo):
+        path = Path(path_or_repo).expanduser().resolve()
+        validate_local(path, adapter_path)
+        return path
+    from mlx_lm.utils import _download
+
+    try:
+        path = Path(_download(path_or_repo, revision=revision))
+    except Exception as e:  # offline, unknown repo, gated repo...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot fetch {path_or_repo!r} from the Hugging Face Hub: {first}") from None
+    validate_local(path, adapter_path)
+    return path
+
+
+def fingerprint(path: Path) -> str:
+    """Identity of the weights and tokenizer files: names, sizes and the first and last MiB of each."""
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.is_file() and (f.suffix in (".json", ".safetensors", ".model", ".txt", ".jinja") or f.name == "tokenizer.model"):
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}\n".encode())
+            with f.open("rb") as fh:
+                h.update(fh.read(1 << 20))
+                if size > 2 << 20:
+                    fh.seek(-(1 << 20), 2)
+                    h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def load(
+    path_or_repo: str,
+    *,
+    adapter_path: str | None = None,
+    max_length: int | None = None,
+    dtype: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load model + tokenizer with mlx-lm, optionally cast, then wrap its decoder blocks with hooks."""
+    if dtype is not None and dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
+    path = resolve(path_or_repo, revision, adapter_path)
+    import mlx.core as mx
+    from mlx_lm.utils import load as mlx_load
+
+    from .hooks import instrument
+    from .score import Head
+
+    try:
+        model, tokenizer, config = mlx_load(
+            str(path),
+            adapter_path=str(Path(adapter_path).expanduser()) if adapter_path else None,
+            return_config=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"mlx-lm could not load {path}: {first}") from None
+    if dtype is not None and "quantization" not in config:
+        model.set_dtype(getattr(mx, dtype))
+    model.eval()
+    hooks = instrument(model)
+    loaded = LoadedModel(model, tokenizer, hooks, config, path, context_window(config, max_length))
+    loaded.head = Head.for_model(model)
+    return loaded
