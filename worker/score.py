@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
+
+from .hooks import Rows
+from .spec import Batching
 
 
 @dataclass
@@ -41,3 +45,213 @@ class Head:
         except Exception:
             same = False
         return split if same else full
+
+
+# --- requests -> rows -> families -------------------------------------------------------------------
+
+MIN_SHARED_PREFIX = 32  # tokens; below this a separate prefix pass costs more than it saves
+
+
+@dataclass
+class Row:
+    """One model input; scores the requests that share it (MMLU's A/B/C/D share one row)."""
+
+    tokens: tuple[int, ...]
+    requests: list[tuple[int, int, tuple[int, ...]]]  # (request index, first scored position, targets)
+
+    @property
+    def first_scored(self) -> int:
+        return min(start for _, start, _ in self.requests)
+
+
+@dataclass
+class Family:
+    """Rows whose first `prefix` tokens are identical: that prefix runs once and its KV cache is shared."""
+
+    prefix: int
+    rows: list[Row]
+
+
+def _rows(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int) -> tuple[list[Row], dict[int, tuple[float, bool]]]:
+    """lm-eval HF semantics: input (ctx + cont)[-(max_length + 1):][:-1], score its last len(cont) positions.
+
+    A continuation longer than the window keeps its last max_length tokens (HF refuses these). An empty
+    continuation scores (0.0, True): the sum over no tokens.
+    """
+    rows: dict[tuple[int, ...], Row] = {}
+    trivial: dict[int, tuple[float, bool]] = {}
+    for i, (ctx, cont) in enumerate(requests):
+        cont = tuple(map(int, cont))
+        if not cont:
+            trivial[i] = (0.0, True)
+            continue
+        inp = (tuple(map(int, ctx)) + cont)[-(max_length + 1) :][:-1]
+        n_scored = min(len(cont), len(inp))
+        if n_scored == 0:
+            raise ValueError(f"request {i} has no context token to condition on: give it a prefix (BOS/EOS) token")
+        row = rows.setdefault(inp, Row(inp, []))
+        row.requests.append((i, len(inp) - n_scored, cont[-n_scored:]))
+    return list(rows.values()), trivial
+
+
+def _shared_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit]):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _families(rows: list[Row], reuse: bool) -> list[Family]:
+    """Sorted token-wise, rows sharing a long prefix sit next to each other; collect them greedily.
+
+    The shared prefix stops before any scored position, so every scored logit comes from the suffix pass.
+    """
+    if not reuse:
+        return [Family(0, rows)] if rows else []
+    rows = sorted(rows, key=lambda r: r.tokens)
+    families: list[Family] = []
+    loose: list[Row] = []
+
+    def close(group: list[Row], prefix: int) -> None:
+        if len(group) > 1 and prefix >= MIN_SHARED_PREFIX:
+            families.append(Family(prefix, group))
+        else:
+            loose.extend(group)
+
+    group, prefix = [], 0
+    for row in rows:
+        if group:
+            shared = _shared_len(group[0].tokens, row.tokens, min(prefix, row.first_scored))
+            if shared >= MIN_SHARED_PREFIX:
+                group.append(row)
+                prefix = shared
+                continue
+            close(group, prefix)
+        group, prefix = [row], row.first_scored
+    if group:
+        close(group, prefix)
+    if loose:
+        families.append(Family(0, loose))
+    return families
+
+
+def families(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int, reuse: bool = True) -> list[list[int]]:
+    """Request indices grouped so that splitting a group would repeat work (shared input or prefix).
+
+    The distributed scheduler cuts chunks between groups, so worker-side reuse survives sharding.
+    """
+    rows, trivial = _rows(requests, max_length)
+    groups = [[i] for i in trivial]
+    for fam in _families(rows, reuse):
+        if fam.prefix:
+            groups.append(sorted(i for row in fam.rows for i, _, _ in row.requests))
+        else:
+            groups.extend(sorted(i for i, _, _ in row.requests) for row in fam.rows)
+    return groups
+
+
+# --- forward passes ---------------------------------------------------------------------------------
+
+
+def _batches(rows: list[Row], prefix: int, batching: Batching) -> list[list[Row]]:
+    """Rows sorted by length, cut so that no forward exceeds the row and token budgets."""
+    rows = sorted(rows, key=lambda r: len(r.tokens))
+    out: list[list[Row]] = []
+    batch: list[Row] = []
+    for row in rows:
+        width = len(row.tokens) - prefix  # longest so far: rows are sorted
+        fits = (
+            len(batch) < batching.batch_size
+            and (len(batch) + 1) * width <= batching.max_batch_tokens
+            and (len(batch) + 1) * len(row.tokens) <= 4 * batching.max_batch_tokens
+        )
+        if batch and not fits:
+            out.append(batch)
+            batch = []
+        batch.append(row)
+    if batch:
+        out.append(batch)
+    return out
+
+
+def _prefix_cache(lm, tokens: Sequence[int]) -> list | None:
+    """Run the shared prefix once (batch 1) and return its per-layer KV cache."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(lm.model)
+    if not all(type(c) is KVCache for c in cache):
+        return None  # rotating / hybrid caches: no prefix sharing for these architectures
+    # Rows(ends=P+1): every prefix token is real, none is any row's last token.
+    with lm.hooks.forward(Rows(offset=0, ends=mx.array([len(tokens) + 1]))):
+        lm.head.body(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _broadcast(prefix_cache: list, batch: int) -> list:
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for c in prefix_cache:
+        k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        fresh = KVCache()
+        fresh.keys = mx.broadcast_to(k, (batch, *k.shape[1:]))
+        fresh.values = mx.broadcast_to(v, (batch, *v.shape[1:]))
+        fresh.offset = c.offset
+        out.append(fresh)
+    return out
+
+
+def _score_batch(lm, batch: list[Row], prefix: int, cache: list | None):
+    """One forward over right-padded rows; returns lazy per-request (sum logprob, all greedy) arrays."""
+    width = max(len(r.tokens) for r in batch) - prefix
+    padded = [list(r.tokens[prefix:]) + [0] * (width - len(r.tokens) + prefix) for r in batch]
+    rows = Rows(offset=prefix, ends=mx.array([len(r.tokens) for r in batch]))
+    with lm.hooks.forward(rows):
+        hidden = lm.head.body(mx.array(padded), cache=_broadcast(cache, len(batch)) if cache else None)
+    # Gather the scored positions (and only those) before the LM head.
+    flat_pos, targets, segment, index = [], [], [], []
+    for b, row in enumerate(batch):
+        for i, start, tgt in row.requests:
+            for j, t in enumerate(tgt):
+                flat_pos.append(b * width + start - prefix + j)
+                targets.append(t)
+                segment.append(len(index))
+            index.append(i)
+    hidden = hidden.reshape(len(batch) * width, hidden.shape[-1])
+    uniq = sorted(set(flat_pos))
+    where = {p: k for k, p in enumerate(uniq)}
+    logits = lm.head.head(hidden[mx.array(uniq)]).astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    at, tg = mx.array([where[p] for p in flat_pos]), mx.array(targets)
+    token_lp = logprobs[at, tg]
+    missed = (mx.argmax(logits, axis=-1)[at] != tg).astype(mx.int32)
+    seg = mx.array(segment)
+    sums = mx.zeros((len(index),), mx.float32).at[seg].add(token_lp)
+    misses = mx.zeros((len(index),), mx.int32).at[seg].add(missed)
+    return index, sums, misses
+
+
+def loglikelihood(
+    lm,
+    requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+    batching: Batching | None = None,
+) -> list[tuple[float, bool]]:
+    """(sum of continuation logprobs, continuation is greedy) for token-level (context, continuation) pairs."""
+    batching = batching or Batching()
+    rows, results = _rows(requests, lm.max_length)
+    pending = []
+    for fam in _families(rows, batching.prefix_reuse):
+        cache = _prefix_cache(lm, fam.rows[0].tokens[: fam.prefix]) if fam.prefix else None
+        prefix = fam.prefix if cache is not None else 0
+        for batch in _batches(fam.rows, prefix, batching):
+            out = _score_batch(lm, batch, prefix, cache)
+            mx.async_eval(out[1], out[2])  # overlap this batch's compute with building the next
+            pending.append(out)
+    for index, sums, misses in pending:
+        for i, s, m in zip(index, sums.tolist(), misses.tolist()):
+            results[i] = (s, m == 0)
+    return [results[i] for i in range(len(requests))]
+

@@ -1,0 +1,14 @@
+"""Orchard's head node: lm-eval models (`mlx`, `mlx-ray`), scheduling, merging, the CLI.
+
+`import driver` registers the models with lm-eval. lm-eval's own backends are registered lazily when
+`lm_eval.models` is first imported; importing it first keeps them visible next to ours.
+"""
+
+import lm_eval.models  # noqa: F401  (must precede our registrations)
+
+from . import lm  # noqa: F401,E402  registers "mlx"
+
+try:
+    from . import ray_lm  # noqa: F401  registers "mlx-ray"
+except ImportError:  # pragma: no cover - while ray_lm is being written
+    pass

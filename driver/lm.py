@@ -1,0 +1,250 @@
+"""lm-eval models backed by MLX: `mlx` runs the worker kernels in this process.
+
+`OrchardLM` owns everything lm-eval-specific (tokenization, the empty-context rule, rolling windows,
+generation kwargs, chat templates); an executor owns the compute. `mlx-ray` (driver/ray_lm.py) is the
+same class with an executor that shards requests over Ray actors, so both score identical token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Protocol
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from worker.generate import GenRequest
+from worker.load import context_window, fingerprint, is_local, resolve
+from worker.spec import Batching, ModelSpec
+
+TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
+_TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+class Executor(Protocol):
+    def loglikelihood(self, requests: list[TokenPair]) -> list[tuple[float, bool]]: ...
+    def generate(self, requests: list[GenRequest]) -> list[str]: ...
+    def info(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+class LocalExecutor:
+    """The worker kernels on a model loaded in this process."""
+
+    def __init__(self, spec: ModelSpec, batching: Batching) -> None:
+        self.lm = spec.load()
+        self.batching = batching
+
+    def loglikelihood(self, requests: list[TokenPair]) -> list[tuple[float, bool]]:
+        from worker.score import loglikelihood
+
+        return loglikelihood(self.lm, requests, self.batching)
+
+    def generate(self, requests: list[GenRequest]) -> list[str]:
+        from worker.generate import generate
+
+        return generate(self.lm, requests, batch_size=self.batching.batch_size)
+
+    def info(self) -> dict:
+        return {"executor": "local", "head_split": self.lm.head.split}
+
+    def close(self) -> None:
+        self.lm = None
+
+
+def _int_or_default(value: Any, default: int) -> int:
+    if value is None or value == "auto" or str(value).startswith("auto"):
+        return default
+    return int(value)
+
+
+def _bool(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+def tokenizer_folder(model: str, revision: str | None) -> Path:
+    """Where the tokenizer lives: the model folder, or a tokenizer-only Hub snapshot (no weights)."""
+    if is_local(model):
+        return resolve(model)
+    from mlx_lm.utils import _download
+
+    return Path(_download(model, revision=revision, allow_patterns=_TOKENIZER_FILES))
+
+
+class OrchardLM(TemplateLM):
+    """lm-eval glue shared by `mlx` and `mlx-ray`; subclasses choose the executor."""
+
+    def __init__(
+        self,
+        pretrained: str,
+        batch_size: int | str = 32,
+        max_batch_tokens: int | str = 8192,
+        max_length: int | str | None = None,
+        adapter_path: str | None = None,
+        dtype: str | None = None,
+        revision: str | None = None,
+        prefix_reuse: bool | str = True,
+        max_gen_toks: int | str = 256,
+        trust_remote_code: bool | str = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        from transformers import AutoTokenizer
+
+        for ignored in ("device", "max_batch_size"):  # lm-eval passes these to every backend
+            kwargs.pop(ignored, None)
+        self._init_extra(kwargs)
+        self.spec = ModelSpec(
+            model=str(pretrained),
+            adapter_path=adapter_path,
+            revision=revision,
+            dtype=dtype,
+            max_length=int(max_length) if max_length else None,
+            trust_remote_code=_bool(trust_remote_code),
+        )
+        self.batching = Batching(
+            batch_size=_int_or_default(batch_size, 32),
+            max_batch_tokens=int(max_batch_tokens),
+            prefix_reuse=_bool(prefix_reuse),
+        )
+        folder = tokenizer_folder(self.spec.model, revision)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=self.spec.trust_remote_code)
+        config = json.loads((folder / "config.json").read_text())
+        self._max_length = context_window(config, self.spec.max_length)
+        self.max_gen_toks = int(max_gen_toks)
+        self.identity = {
+            "model": self.spec.model,
+            "revision": self.spec.revision,
+            "adapter": fingerprint(Path(adapter_path).expanduser()) if adapter_path else None,
+            "files": fingerprint(folder),
+            "dtype": self.spec.dtype,
+            "max_length": self._max_length,
+        }
+        self.executor: Executor = self.make_executor(self.spec, self.batching)
+
+    def _init_extra(self, kwargs: dict) -> None:
+        """Subclasses take their own model_args here; anything left is a mistake worth a clear error."""
+        if kwargs:
+            raise ValueError(f"unknown model_args for {type(self).__name__}: {', '.join(sorted(kwargs))}")
+
+    def make_executor(self, spec: ModelSpec, batching: Batching) -> Executor:
+        return LocalExecutor(spec, batching)
+
+    # --- tokenization, exactly as lm-eval's hf backend -------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special = {"add_special_tokens": False}
+        return self.tokenizer.encode(string, **special)
+
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        pairs = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
+        results = self.executor.loglikelihood(pairs)
+        for (key, _, _), answer in zip(requests, results):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows: list[TokenPair] = []
+        owners: list[int] = []
+        for n, (string,) in enumerate(tqdm([r.args for r in requests], disable=disable_tqdm, desc="Rolling windows")):
+            for ctx, cont in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
+                windows.append((tuple(ctx), tuple(cont)))
+                owners.append(n)
+        totals = [0.0] * len(requests)
+        for n, (logprob, _) in zip(owners, self.executor.loglikelihood(windows)):
+            totals[n] += logprob
+        for r, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
+        return totals
+
+    def generation_request(self, context: str, gen_kwargs: dict, occurrence: int = 0) -> GenRequest:
+        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode([self.eot_token_id], False))
+        max_gen_toks = int(kwargs.pop("max_gen_toks"))
+        if max_gen_toks >= self.max_length:
+            raise ValueError(
+                f"max_gen_toks={max_gen_toks} leaves no room for the prompt in max_length={self.max_length}: lower it"
+            )
+        context_ids = self.tok_encode(context)[-(self.max_length - max_gen_toks) :]
+        do_sample = bool(kwargs.get("do_sample", False))
+        temperature = float(kwargs.get("temperature", 0.0) or 0.0)
+        # A per-request seed: the same request draws the same sample in any batch, on any worker;
+        # repeats of one request (lm-eval's `repeats`) draw different ones.
+        digest = hashlib.sha256(json.dumps([context, gen_kwargs, occurrence, kwargs.get("seed", 0)], sort_keys=True, default=str).encode())
+        return GenRequest(
+            context=tuple(context_ids),
+            until=tuple(until),
+            max_gen_toks=max_gen_toks,
+            do_sample=do_sample and temperature > 0,
+            temperature=temperature,
+            top_p=float(kwargs.get("top_p", 1.0) or 1.0),
+            seed=int.from_bytes(digest.digest()[:4], "little"),
+        )
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        seen: Counter = Counter()
+        gen_requests = []
+        for r in requests:
+            context, gen_kwargs = r.args
+            key = json.dumps([context, gen_kwargs], sort_keys=True, default=str)
+            gen_requests.append(self.generation_request(context, gen_kwargs, seen[key]))
+            seen[key] += 1
+        outputs = self.executor.generate(gen_requests)
+        for r, text in zip(requests, outputs):
+            self.cache_hook.add_partial("generate_until", r.args, text)
+        return outputs
+
+    def get_model_info(self) -> dict:
+        return {"orchard": {**self.identity, **self.batching.model_dump(), **self.executor.info()}}
+
+
+@register_model("mlx")
+class MLXLM(OrchardLM):
+    """In-process MLX model: `simple_evaluate(model="mlx", model_args="pretrained=PATH,batch_size=8")`."""

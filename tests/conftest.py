@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random-weight models of two architectures and offline lm-eval tasks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Offline, on loopback, quiet: set before lm-eval / datasets / Ray are imported by any test module.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _datasets_cache(tmp_path_factory):
+    """A private datasets cache: lm-eval's local JSON tasks write their arrow files here."""
+    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf-datasets"))
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory) -> Path:
+    from worker.synthetic import write_model
+
+    return write_model(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def gpt2_path(tmp_path_factory) -> Path:
+    from worker.synthetic import write_model
+
+    return write_model(tmp_path_factory.mktemp("models") / "tiny-gpt2", arch="gpt2", heads=4)
+
+
+@pytest.fixture(scope="session", params=["llama", "gpt2"])
+def model_path(request, llama_path, gpt2_path) -> Path:
+    return {"llama": llama_path, "gpt2": gpt2_path}[request.param]
+
+
+@pytest.fixture(scope="session")
+def tasks_dir(tmp_path_factory) -> Path:
+    from driver.tasks import write_tasks
+
+    return write_tasks(tmp_path_factory.mktemp("tasks"))
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    path = SHARED / "models" / "stories260K"
+    if not (path / "config.json").exists():
+        pytest.skip("../shared/models/stories260K is absent")
+    return path

@@ -1,0 +1,147 @@
+"""Instrumented decoder blocks: bitwise no-op, exact interventions, per-row positions, pads untouched."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.utils import load as mlx_load
+
+from worker.hooks import Add, Capture, Replace, Rows, instrument
+from worker.load import load
+from worker.score import loglikelihood
+from worker.spec import Batching
+
+TOKENS = [[1, 17, 33, 250, 9, 71, 400, 12]]
+
+
+@pytest.fixture(scope="module")
+def lm(model_path):
+    return load(str(model_path))
+
+
+def width(lm) -> int:
+    """The residual stream's size, read off a capture."""
+    cap = Capture("last")
+    with lm.hooks.installed([("resid_pre.0", cap)]):
+        lm.model(mx.array([[1]]))
+    return cap.records[0].shape[-1]
+
+
+def test_no_interventions_is_bitwise_the_plain_model(model_path, lm):
+    plain, _ = mlx_load(str(model_path))
+    x = mx.array(TOKENS)
+    assert mx.array_equal(plain(x), lm.model(x)).item()
+    assert type(lm.model.layers[0]).__mro__[1] is type(plain.layers[0])  # same block class underneath
+    assert instrument(lm.model) is lm.hooks  # idempotent: no second wrapper
+    assert dict(lm.model.parameters()).keys() == dict(plain.parameters()).keys()  # weight names kept
+
+
+def test_unknown_hook_point_is_refused(lm):
+    with pytest.raises(ValueError, match="unknown hook point"):
+        lm.hooks.add("resid_mid.0", Capture())
+    with pytest.raises(ValueError, match="unknown hook point"):
+        lm.hooks.add(f"resid_post.{lm.hooks.n_layers}", Capture())
+
+
+def test_add_equals_running_the_blocks_by_hand(llama_path):
+    lm = load(str(llama_path))
+    inner, layer, alpha = lm.model.model, 1, 2.5
+    v = np.random.default_rng(0).standard_normal(inner.embed_tokens.weight.shape[1]).astype(np.float32)
+    x = mx.array(TOKENS)
+    h = inner.embed_tokens(x)
+    mask = create_attention_mask(h, None)
+    for i, block in enumerate(inner.layers):
+        h = block(h, mask)
+        if i == layer:
+            h = h + alpha * mx.array(v)
+    manual = lm.model.lm_head(inner.norm(h))
+    with lm.hooks.installed([(f"resid_post.{layer}", Add(v, alpha))]):
+        steered = lm.model(x)
+    assert mx.allclose(steered, manual, atol=1e-5).item()
+    assert not mx.allclose(steered, lm.model(x), atol=1e-2).item()
+
+
+def test_capture_returns_the_residual_stream(llama_path):
+    lm = load(str(llama_path))
+    x = mx.array(TOKENS)
+    pre0, post0 = Capture("all"), Capture("last")
+    with lm.hooks.installed([("resid_pre.0", pre0), ("resid_post.0", post0)]):
+        lm.model(x)
+    embeddings = lm.model.model.embed_tokens(x)
+    assert mx.array_equal(pre0.records[0][0], embeddings[0]).item()
+    by_hand = lm.model.model.layers[0](embeddings, create_attention_mask(embeddings, None))
+    assert mx.allclose(post0.records[0], by_hand[:, -1, :], atol=1e-6).item()
+
+
+class Snapshot:
+    """Test hook: keep the whole hooked tensor, pads included."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, x, ctx):
+        self.seen.append((np.array(x), ctx.rows))
+        return x
+
+
+@pytest.mark.parametrize("positions", ["all", "last", "prompt", "generated"])
+def test_right_padded_batch_positions_and_untouched_pads(lm, positions):
+    """Rows of lengths 3, 6, 8 in one right-padded forward: each row's own positions change, pads never."""
+    reqs = [([1, 5], [9]), ([1, 5, 6, 7, 8], [9]), ([1, 5, 6, 7, 8, 10, 11], [9])]
+    v = np.ones(width(lm), np.float32)
+    before, after = Snapshot(), Snapshot()
+    with lm.hooks.installed([("resid_pre.1", before), ("resid_pre.1", Add(v, 1.0, positions)), ("resid_pre.1", after)]):
+        loglikelihood(lm, reqs, Batching(prefix_reuse=False))
+    (x0, _), (x1, _) = before.seen[0], after.seen[0]
+    changed = np.abs(x1 - x0).max(axis=-1) > 0  # [B, S]
+    lengths = [len(c) for c, _ in reqs]  # one-token continuations: the input is the context
+    expected = np.zeros_like(changed)
+    for b, n in enumerate(lengths):
+        if positions in ("all", "prompt"):
+            expected[b, :n] = True
+        elif positions == "last":
+            expected[b, n - 1] = True
+    assert (changed == expected).all(), (positions, changed.astype(int))
+
+
+def test_generation_layout_rows_mask():
+    """Left padding (generation): starts/ends/prompt_ends pick prompt vs generated tokens per row."""
+    rows = Rows(offset=0, starts=mx.array([2, 0]), ends=mx.array([6, 6]), prompt_ends=mx.array([4, 4]))
+    m = lambda p: np.array(rows.mask(p, 2, 6)).astype(int).tolist()  # noqa: E731
+    assert m("all") == [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
+    assert m("prompt") == [[0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0]]
+    assert m("generated") == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]]
+    assert m("last") == [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1]]
+    with pytest.raises(ValueError, match="unknown positions"):
+        rows.mask("middle", 2, 6)
+
+
+def test_replace_and_interpolate(lm):
+    x = mx.array(TOKENS)
+    v = np.full(width(lm), 3.0, np.float32)
+    for weight in (1.0, 0.5):
+        after = Snapshot()
+        with lm.hooks.installed([("resid_post.0", Capture("all")), ("resid_post.0", Replace(v, weight, "last")), ("resid_post.0", after)]):
+            lm.model(x)
+        x_after = after.seen[0][0][0]
+        assert np.allclose(x_after[-1], v) if weight == 1.0 else not np.allclose(x_after[-1], v)
+    before = Capture("all")
+    with lm.hooks.installed([("resid_post.0", before), ("resid_post.0", Replace(v, 0.5, "last")), ("resid_post.0", after)]):
+        lm.model(x)
+    orig = np.array(before.records[0][0][-1])
+    assert np.allclose(after.seen[-1][0][0][-1], orig + 0.5 * (v - orig), atol=1e-6)
+
+
+def test_steering_is_the_same_with_and_without_prefix_reuse(lm):
+    rng = np.random.default_rng(3)
+    shared = [1] + [int(t) for t in rng.integers(3, 600, 40)]
+    reqs = [(shared + [int(t) for t in rng.integers(3, 600, 5 + i)], [int(rng.integers(3, 600))]) for i in range(6)]
+    v = rng.standard_normal(width(lm)).astype(np.float32)
+    with lm.hooks.installed([("resid_post.0", Add(v, 4.0, "all"))]):
+        reused = loglikelihood(lm, reqs, Batching(prefix_reuse=True))
+        plain = loglikelihood(lm, reqs, Batching(prefix_reuse=False))
+    unsteered = loglikelihood(lm, reqs)
+    assert max(abs(a[0] - b[0]) for a, b in zip(reused, plain)) < 1e-4
+    assert max(abs(a[0] - b[0]) for a, b in zip(reused, unsteered)) > 1e-2

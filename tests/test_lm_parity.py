@@ -1,0 +1,98 @@
+"""The `mlx` lm-eval model against lm-eval's own `hf` backend (transformers + torch) on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("accelerate")
+
+import lm_eval  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+import driver  # noqa: E402,F401  registers "mlx"
+
+TASKS = ["orchard_mc", "orchard_ppl", "orchard_gen"]
+MAX_LENGTH = 64  # small, so rolling windows and truncation are exercised
+
+
+def evaluate(model, path, tasks_dir, batch_size=4, **extra):
+    args = f"pretrained={path},max_length={MAX_LENGTH}" + "".join(f",{k}={v}" for k, v in extra.items())
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=args,
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=str(tasks_dir)),
+        log_samples=True,
+        device="cpu",
+        batch_size=batch_size,
+        verbosity="ERROR",
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_results(model_path, tasks_dir):
+    return evaluate("hf", model_path, tasks_dir, dtype="float32")
+
+
+def close(a: float, b: float) -> bool:
+    """1e-4 per request; long rolling documents sum hundreds of float32 logprobs, so allow 1e-6 relative."""
+    return abs(a - b) <= 1e-4 + 1e-6 * abs(b)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_simple_evaluate_matches_hf_backend(model_path, tasks_dir, hf_results, batch_size):
+    ours = evaluate("mlx", model_path, tasks_dir, batch_size=batch_size)
+    for task in TASKS:
+        mine, ref = ours["samples"][task], hf_results["samples"][task]
+        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in ref]
+        for a, b in zip(mine, ref):
+            for x, y in zip(a["resps"], b["resps"]):
+                x, y = x[0], y[0]
+                if task == "orchard_mc":
+                    assert close(x[0], y[0]) and x[1] == y[1], (x, y)
+                elif task == "orchard_ppl":
+                    assert close(x, y), (x, y)
+                else:
+                    assert x == y, (x, y)
+        for metric, value in hf_results["results"][task].items():
+            if metric.endswith("perplexity,none") or metric.startswith("bits_per_byte,"):
+                assert ours["results"][task][metric] == pytest.approx(value, rel=1e-5)
+            elif isinstance(value, float):
+                assert ours["results"][task][metric] == pytest.approx(value, abs=1e-12), metric
+    assert ours["config"]["orchard"]["files"]  # model identity recorded with the results
+
+
+EDGE_CASES = [
+    ("", " the river"),  # empty context: the prefix token conditions
+    ("Question: what is water?\nAnswer:", "   three leading spaces"),
+    ("Answer: ", "trailing space moves to the continuation"),
+    (" ".join(["king queen river mountain"] * 40), " tree"),  # context longer than the window
+    ("Café in 日本 — naïve?", " 😀 ß"),  # non-ASCII on both sides
+]
+
+
+def test_edge_case_requests_match_hf_backend(llama_path):
+    from lm_eval.models.huggingface import HFLM
+
+    from driver.lm import MLXLM
+
+    hf = HFLM(pretrained=str(llama_path), max_length=MAX_LENGTH, dtype="float32", batch_size=4, device="cpu")
+    ours = MLXLM(pretrained=str(llama_path), max_length=MAX_LENGTH, batch_size=3)
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(EDGE_CASES)]
+    for (a, ga), (b, gb) in zip(ours.loglikelihood(requests), hf.loglikelihood(requests)):
+        assert close(a, b) and ga == gb
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), i) for i, (text, _) in enumerate(EDGE_CASES)]
+    for a, b in zip(ours.loglikelihood_rolling(rolling), hf.loglikelihood_rolling(rolling)):
+        assert close(a, b)
+
+
+def test_importing_orchard_keeps_lm_eval_backends():
+    from lm_eval.api.registry import get_model
+
+    from driver.lm import MLXLM
+
+    assert get_model("mlx") is MLXLM
+    assert get_model("hf").__name__ == "HFLM"
+    assert get_model("dummy").__name__ == "DummyLM"

@@ -1,0 +1,83 @@
+"""Loading: local folders, dtypes, quantized weights, context windows, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from worker.load import ModelLoadError, context_window, load
+from worker.score import loglikelihood
+
+REQS = [([1, 40, 50, 60], [70, 80]), ([1, 99], [5])]
+
+
+def test_context_window_from_config_and_override(llama_path, gpt2_path):
+    assert load(str(llama_path)).max_length == 512  # max_position_embeddings
+    assert load(str(gpt2_path), max_length=64).max_length == 64
+    assert context_window({"n_positions": 1024}) == 1024
+    assert context_window({}) == 2048
+
+
+@pytest.mark.parametrize("dtype,tol", [("float16", 0.1), ("bfloat16", 0.5)])
+def test_half_precision_scores_close_to_float32(llama_path, dtype, tol):
+    ref = loglikelihood(load(str(llama_path)), REQS)
+    got = loglikelihood(load(str(llama_path), dtype=dtype), REQS)
+    assert [abs(a[0] - b[0]) < tol for a, b in zip(got, ref)] == [True, True]
+
+
+def test_quantized_model_loads_and_scores(llama_path, tmp_path):
+    from mlx_lm import convert
+
+    out = tmp_path / "q4"
+    convert(str(llama_path), str(out), quantize=True, q_group_size=32, q_bits=8)
+    lm = load(str(out))
+    assert "quantization" in lm.config
+    ref = loglikelihood(load(str(llama_path)), REQS)
+    got = loglikelihood(lm, REQS)
+    assert all(abs(a[0] - b[0]) < 0.5 for a, b in zip(got, ref))
+
+
+def one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ModelLoadError) as e:
+        load(str(tmp_path / "nowhere"))
+    assert "model path does not exist" in one_line(e) and "nowhere" in one_line(e)
+
+
+def test_missing_adapter_path(llama_path, tmp_path):
+    with pytest.raises(ModelLoadError) as e:
+        load(str(llama_path), adapter_path=str(tmp_path / "no-adapter"))
+    assert "adapter path does not exist" in one_line(e)
+
+
+def test_unknown_architecture(llama_path, tmp_path):
+    broken = tmp_path / "weird"
+    shutil.copytree(llama_path, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "model_type": "transmogrifier"}))
+    with pytest.raises(ModelLoadError) as e:
+        load(str(broken))
+    assert "unknown architecture 'transmogrifier'" in one_line(e)
+
+
+def test_folder_without_config_or_weights(llama_path, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load(str(empty))
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(llama_path, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ModelLoadError, match="no model.*safetensors"):
+        load(str(no_weights))
+
+
+def test_unknown_dtype(llama_path):
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        load(str(llama_path), dtype="float8")
