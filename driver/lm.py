@@ -19,7 +19,7 @@ from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normaliz
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from worker.generate import GenRequest
+from worker.generate import GenRequest, truncate
 from worker.load import context_window, fingerprint, is_local, resolve
 from worker.spec import Batching, ModelSpec
 
@@ -116,6 +116,8 @@ class OrchardLM(TemplateLM):
         folder = tokenizer_folder(self.spec.model, revision)
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=self.spec.trust_remote_code)
         config = json.loads((folder / "config.json").read_text())
+        gen_config = folder / "generation_config.json"
+        self.generation_defaults = json.loads(gen_config.read_text()) if gen_config.exists() else {}
         self._max_length = context_window(config, self.spec.max_length)
         self.max_gen_toks = int(max_gen_toks)
         self.identity = {
@@ -207,26 +209,22 @@ class OrchardLM(TemplateLM):
     def generation_request(self, context: str, gen_kwargs: dict, occurrence: int = 0) -> GenRequest:
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode([self.eot_token_id], False))
-        max_gen_toks = int(kwargs.pop("max_gen_toks"))
-        if max_gen_toks >= self.max_length:
-            raise ValueError(
-                f"max_gen_toks={max_gen_toks} leaves no room for the prompt in max_length={self.max_length}: lower it"
-            )
-        context_ids = self.tok_encode(context)[-(self.max_length - max_gen_toks) :]
-        do_sample = bool(kwargs.get("do_sample", False))
         temperature = float(kwargs.get("temperature", 0.0) or 0.0)
         # A per-request seed: the same request draws the same sample in any batch, on any worker;
         # repeats of one request (lm-eval's `repeats`) draw different ones.
-        digest = hashlib.sha256(json.dumps([context, gen_kwargs, occurrence, kwargs.get("seed", 0)], sort_keys=True, default=str).encode())
-        return GenRequest(
-            context=tuple(context_ids),
+        digest = hashlib.sha256(json.dumps([context, gen_kwargs, occurrence], sort_keys=True, default=str).encode())
+        request = GenRequest(
+            context=tuple(self.tok_encode(context)),
             until=tuple(until),
-            max_gen_toks=max_gen_toks,
-            do_sample=do_sample and temperature > 0,
+            max_gen_toks=int(kwargs.pop("max_gen_toks")),
+            do_sample=bool(kwargs.get("do_sample", False)) and temperature > 0,
             temperature=temperature,
-            top_p=float(kwargs.get("top_p", 1.0) or 1.0),
+            # Unset sampling knobs fall back to the model's generation_config, as HF `generate` does.
+            top_p=float(kwargs.get("top_p") or self.generation_defaults.get("top_p") or 1.0),
+            top_k=int(kwargs.get("top_k") or self.generation_defaults.get("top_k", 50) or 0),
             seed=int.from_bytes(digest.digest()[:4], "little"),
         )
+        return truncate(request, self.max_length)  # fails here, before any worker is busy
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         seen: Counter = Counter()

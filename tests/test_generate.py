@@ -1,0 +1,358 @@
+"""generate_until kernel: batching, stop rules, truncation, seeded sampling and hooks on real tiny MLX models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import mlx.core as mx
+import pytest
+
+from worker.generate import GenRequest, generate, generate_tokens, stop_at, warp_logits
+from worker.hooks import Add, Capture
+from worker.load import load
+from worker.synthetic import write_model
+
+PROMPTS = [
+    "The river and the king",
+    "Question: what is the",
+    "a",
+    "Once upon a time there lived a little girl who played with her dog in the house",
+    "red blue green",
+    "Water is",
+]
+
+
+# Model folders come from conftest's session fixtures (worker.synthetic.write_model), loaded once here.
+@pytest.fixture(scope="module")
+def llama(llama_path):
+    return load(str(llama_path))
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_path):
+    return load(str(gpt2_path))
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def lm(request):
+    return request.getfixturevalue(request.param)
+
+
+def ids(lm, text):
+    return tuple(lm.tokenizer.encode(text))
+
+
+class _Tok:
+    """The model's tokenizer with other EOS ids, to drive the EOS rule without editing weights."""
+
+    def __init__(self, tok, eos):
+        self._tok, self.eos_token_ids = tok, set(eos)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def with_eos(lm, eos):
+    return dataclasses.replace(lm, tokenizer=_Tok(lm.tokenizer, eos))
+
+
+# --- batching --------------------------------------------------------------------------------------
+
+
+def test_batched_greedy_equals_unbatched(lm):
+    # Different lengths (padding) and different max_gen_toks (rows leave the batch at different steps).
+    reqs = [GenRequest(ids(lm, p), max_gen_toks=6 + 3 * i) for i, p in enumerate(PROMPTS)]
+    one = generate_tokens(lm, reqs, batch_size=1)
+    assert all(0 < len(t) <= r.max_gen_toks for t, r in zip(one, reqs))
+    assert generate_tokens(lm, reqs, batch_size=4) == one
+    assert generate_tokens(lm, reqs, batch_size=16) == one
+    assert generate(lm, reqs, batch_size=4) == [lm.tokenizer.decode(t, skip_special_tokens=True) for t in one]
+
+
+def test_sliding_window_model_batches(tmp_path):
+    # Sliding-window layers get BatchRotatingKVCache; prompts longer than the window exercise rotation.
+    path = write_model(tmp_path / "swa", arch="llama")
+    config = json.loads((path / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    (path / "config.json").write_text(json.dumps(config))
+    m = with_eos(load(str(path)), [])
+    reqs = [GenRequest(ids(m, p), max_gen_toks=4 + 2 * i) for i, p in enumerate(PROMPTS)]
+    one = generate_tokens(m, reqs, batch_size=1)
+    assert generate_tokens(m, reqs, batch_size=16) == one
+
+
+def test_matches_transformers_greedy(lm):
+    pytest.importorskip("torch")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32).eval()
+    eos = hf.generation_config.eos_token_id
+    reqs = [GenRequest(ids(lm, p), max_gen_toks=12) for p in PROMPTS[:4]]
+    ours = generate_tokens(lm, reqs, batch_size=4)
+    for r, got in zip(reqs, ours):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([r.context]), attention_mask=torch.ones(1, len(r.context), dtype=torch.long),
+                do_sample=False, max_new_tokens=r.max_gen_toks, pad_token_id=eos,
+            )
+        new = out[0, len(r.context) :].tolist()
+        if eos in new:  # HF keeps the EOS it stopped at; the kernel does not
+            new = new[: new.index(eos)]
+        assert got == new
+
+
+# --- stop rules ------------------------------------------------------------------------------------
+
+
+def _greedy(lm, prompt, n=16):
+    # EOS switched off so the reference continuation always has n tokens.
+    plain = with_eos(lm, [])
+    return plain, generate_tokens(plain, [GenRequest(ids(lm, prompt), max_gen_toks=n)])[0]
+
+
+def _first_stop(lm, toks, stop):
+    # The reference rule: the first prefix whose full decoded text (special tokens kept) holds the stop string.
+    return next(k for k in range(1, len(toks) + 1) if stop in lm.tokenizer.decode(toks[:k], skip_special_tokens=False))
+
+
+@pytest.mark.parametrize("at", [4, 30, 44])  # 30 and 44 lie past the kernel's re-decode window for 2 chars
+def test_stop_string_spanning_tokens(llama, at):
+    lm, toks = _greedy(llama, PROMPTS[0], n=48)
+    dec = lambda t: lm.tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+
+    def clean(j):  # token j adds whole characters after whole characters
+        a, b = dec(toks[:j]), dec(toks[: j + 1])
+        return 0 < len(a) < len(b) and b.startswith(a) and "\ufffd" not in b[len(a) - 1 : len(a) + 1]
+
+    j = next(j for j in range(at, len(toks)) if clean(j))
+    a, b = dec(toks[:j]), dec(toks[: j + 1])
+    stop = a[-1] + b[len(a)]  # last char before token j + its first char: completed by token j at the earliest
+    k = _first_stop(lm, toks, stop)
+    assert k <= j + 1
+    req = GenRequest(ids(lm, PROMPTS[0]), until=(stop,), max_gen_toks=48)
+    assert generate_tokens(lm, [req])[0] == toks[:k]
+    assert generate(lm, [req])[0] == dec(toks).split(stop)[0]
+
+
+def test_stop_string_inside_one_token(llama):
+    lm, toks = _greedy(llama, PROMPTS[3])
+    dec = lambda t: lm.tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+    # A multi-char token: stop on its middle characters.
+    j = next(j for j in range(1, len(toks)) if len(dec(toks[: j + 1])) - len(dec(toks[:j])) >= 3)
+    piece = dec(toks[: j + 1])[len(dec(toks[:j])) :]
+    stop = piece[1:-1] if len(piece) >= 3 else piece[1:]
+    k = _first_stop(lm, toks, stop)
+    req = GenRequest(ids(lm, PROMPTS[3]), until=("never-there", stop), max_gen_toks=16)
+    assert generate_tokens(lm, [req])[0] == toks[:k]
+    assert generate(lm, [req])[0] == stop_at(dec(toks), req.until)
+    assert len(generate(lm, [req])[0]) < len(dec(toks[:k]))
+
+
+def test_special_token_stop_string(llama):
+    # lm-eval's stopping criteria decode with special tokens, so a non-EOS special token named in `until`
+    # (e.g. "<|im_end|>") ends the row; the returned text is decoded without it. A logit bonus makes the
+    # model emit "<s>" from its third token on.
+    bos = llama.tokenizer.convert_tokens_to_ids("<s>")
+    calls = []
+
+    def head(h):
+        calls.append(1)
+        logits = llama.head.head(h)
+        bonus = mx.zeros((logits.shape[-1],)).at[bos].add(1e4)
+        return logits + bonus if len(calls) > 2 else logits
+
+    m = dataclasses.replace(with_eos(llama, []), head=dataclasses.replace(llama.head, head=head))
+    req = GenRequest(ids(m, PROMPTS[1]), until=("<s>",), max_gen_toks=6)
+    got = generate_tokens(m, [req])[0]
+    assert len(got) == 3 and got[2] == bos
+    calls.clear()
+    assert generate(m, [req])[0] == m.tokenizer.decode(got[:2], skip_special_tokens=True)
+    calls.clear()
+    assert generate_tokens(m, [dataclasses.replace(req, until=())])[0][2:] == [bos] * 4
+
+
+def test_eos_stops_and_is_dropped(lm):
+    plain, toks = _greedy(lm, PROMPTS[1], n=10)
+    eos_tok = toks[3]
+    first = toks.index(eos_tok)
+    m = with_eos(lm, [eos_tok])
+    reqs = [GenRequest(ids(lm, PROMPTS[1]), max_gen_toks=10), GenRequest(ids(lm, PROMPTS[3]), max_gen_toks=10)]
+    got = generate_tokens(m, reqs, batch_size=2)
+    assert got[0] == toks[:first]
+    assert eos_tok not in got[1]
+    assert generate(m, reqs[:1])[0] == plain.tokenizer.decode(toks[:first], skip_special_tokens=True)
+
+
+def test_max_gen_toks_zero_and_too_large(llama):
+    assert generate(llama, [GenRequest(ids(llama, "a b"), max_gen_toks=0)]) == [""]
+    with pytest.raises(ValueError, match=r"\(512\).*\(512\)"):
+        generate(llama, [GenRequest(ids(llama, "a b"), max_gen_toks=512)])
+    with pytest.raises(ValueError, match="empty context"):
+        generate(llama, [GenRequest((), max_gen_toks=3)])
+    assert generate(llama, []) == []
+
+
+def test_long_context_is_left_truncated(lm):
+    small = dataclasses.replace(lm, max_length=24)
+    long = ids(lm, " ".join(PROMPTS))
+    assert len(long) > 24
+    req = GenRequest(long, max_gen_toks=6)
+    cut = GenRequest(long[-18:], max_gen_toks=6)
+    assert generate_tokens(small, [req]) == generate_tokens(lm, [cut])
+    assert generate_tokens(small, [req]) != generate_tokens(lm, [req])
+
+
+# --- sampling --------------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_independent_of_batch(lm):
+    target = GenRequest(ids(lm, PROMPTS[0]), max_gen_toks=12, do_sample=True, temperature=1.5, top_p=0.95, seed=7)
+    # Neighbours of other lengths (so different padding), some greedy, leaving the batch at different steps.
+    others = [
+        GenRequest(ids(lm, p), max_gen_toks=4 + i, do_sample=i % 2 == 0, temperature=1.0, seed=i)
+        for i, p in enumerate(PROMPTS[1:])
+    ]
+    m = with_eos(lm, [])
+    alone = generate_tokens(m, [target])[0]
+    assert generate_tokens(m, [*others[:2], target, *others[2:]], batch_size=16)[2] == alone
+    assert generate_tokens(m, [*others, target], batch_size=3)[-1] == alone
+    assert len(alone) == 12
+    seeds = {tuple(generate_tokens(m, [dataclasses.replace(target, seed=s)])[0]) for s in range(4)}
+    assert len(seeds) > 1
+    greedy = generate_tokens(m, [dataclasses.replace(target, do_sample=False)])[0]
+    assert generate_tokens(m, [dataclasses.replace(target, temperature=0.0)])[0] == greedy
+
+
+def test_warpers_match_transformers():
+    pytest.importorskip("torch")
+    import numpy as np
+    import torch
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = np.random.default_rng(0).standard_normal((5, 300)).astype(np.float32) * 3
+    settings = [(0.7, 50, 0.9), (1.0, 0, 0.5), (1.3, 10, 1.0), (0.5, 0, 1.0), (2.0, 300, 0.99)]
+    reqs = [GenRequest((1,), do_sample=True, temperature=t, top_k=k, top_p=p) for t, k, p in settings]
+    ours = np.array(warp_logits(mx.array(logits), reqs))
+    for row, (t, k, p) in enumerate(settings):
+        x = torch.tensor(logits[row : row + 1])
+        # transformers' own order and skip rules (generation/utils.py _get_logits_processor)
+        if t != 1.0:
+            x = TemperatureLogitsWarper(t)(None, x)
+        if k:
+            x = TopKLogitsWarper(k)(None, x)
+        if p < 1.0:
+            x = TopPLogitsWarper(p)(None, x)
+        ref = x.numpy()[0]
+        assert (np.isinf(ours[row]) == np.isinf(ref)).all()
+        kept = ~np.isinf(ref)
+        assert 0 < kept.sum() < 300 or (k in (0, 300) and p == 1.0)
+        np.testing.assert_allclose(ours[row][kept], ref[kept], rtol=1e-6)
+
+
+def test_invalid_settings_raise(llama):
+    for bad in (dict(temperature=-1.0), dict(top_p=1.5), dict(top_k=-1), dict(max_gen_toks=-1)):
+        with pytest.raises(ValueError, match="invalid generation settings"):
+            generate(llama, [GenRequest((1, 2), **bad)])
+
+
+def test_top_p_and_top_k_restrict_to_the_best_token(llama):
+    # A tiny nucleus (or k=1) keeps only the argmax: sampling then equals greedy whatever the seed.
+    m = with_eos(llama, [])
+    base = GenRequest(ids(m, PROMPTS[2]), max_gen_toks=8, do_sample=True, temperature=1.0)
+    greedy = generate_tokens(m, [dataclasses.replace(base, do_sample=False)])[0]
+    for s in range(3):
+        assert generate_tokens(m, [dataclasses.replace(base, top_p=1e-6, seed=s)])[0] == greedy
+        assert generate_tokens(m, [dataclasses.replace(base, top_k=1, seed=s)])[0] == greedy
+
+
+# --- hooks -----------------------------------------------------------------------------------------
+
+
+class Record:
+    """Custom hook: per forward, the input, the Rows and the masks the interventions would use."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, x, ctx):
+        B, S, _ = x.shape
+        r = ctx.rows
+        self.calls.append(
+            dict(
+                x=x, offset=r.offset, S=S,
+                all=r.mask("all", B, S).tolist(),
+                prompt=r.mask("prompt", B, S).tolist(),
+                generated=r.mask("generated", B, S).tolist(),
+                real_index=r.real_index(S).tolist(),
+            )
+        )
+        return x
+
+
+def _vector(lm, scale=3.0):
+    d = lm.config.get("hidden_size") or lm.config["n_embd"]
+    return mx.random.normal((d,), key=mx.random.key(1)) * scale
+
+
+def test_generated_add_leaves_prompt_forward(lm):
+    m = with_eos(lm, [])
+    reqs = [GenRequest(ids(m, p), max_gen_toks=8) for p in PROMPTS[:3]]
+    base = generate_tokens(m, reqs, batch_size=4)
+    cap = Capture("all")
+    with m.hooks.installed([("resid_post.1", cap)]):
+        generate_tokens(m, reqs, batch_size=4)
+    plain_prefill = cap.records[0]
+    cap = Capture("all")
+    with m.hooks.installed([("resid_pre.1", Add(_vector(m), positions="generated")), ("resid_post.1", cap)]):
+        steered = generate_tokens(m, reqs, batch_size=4)
+    for a, b in zip(plain_prefill, cap.records[0]):
+        assert mx.array_equal(a, b).item()
+    assert steered != base
+
+
+def test_prompt_add_only_in_prefill(lm):
+    m = with_eos(lm, [])
+    reqs = [GenRequest(ids(m, p), max_gen_toks=6) for p in PROMPTS[:4]]
+    base = generate_tokens(m, reqs, batch_size=4)
+    before, after = Record(), Record()
+    hooks = [("resid_pre.0", before), ("resid_pre.0", Add(_vector(m), positions="prompt")), ("resid_pre.0", after)]
+    with m.hooks.installed(hooks):
+        steered = generate_tokens(m, reqs, batch_size=4)
+    assert steered != base
+    assert len(before.calls) == 6  # one prefill + 5 decode steps
+    pre, post = before.calls[0], after.calls[0]
+    assert pre["offset"] == 0 and pre["S"] > 1 and any(map(any, pre["prompt"]))
+    changed = (mx.abs(post["x"] - pre["x"]).max(axis=-1) > 0).tolist()
+    assert changed == pre["prompt"]  # exactly the real prompt tokens, pads untouched
+    for b, a in zip(before.calls[1:], after.calls[1:]):
+        assert not any(map(any, b["prompt"])) and all(map(all, b["generated"]))
+        assert mx.array_equal(b["x"], a["x"]).item()
+
+
+def test_rows_track_real_positions_and_pads(llama):
+    # Rows leave at different steps (max_gen_toks differ), so the cache sheds left padding mid-run: the
+    # Rows given to hooks must keep every row's real position right and never select a pad.
+    m = with_eos(llama, [])
+    reqs = [GenRequest(ids(m, p), max_gen_toks=n) for p, n in zip(PROMPTS, (3, 9, 5, 2, 7, 4))]
+    rec = Record()
+    before, after = Record(), Record()
+    add = Add(_vector(m), positions="all")
+    hooks = [("resid_pre.1", rec), ("resid_post.0", before), ("resid_post.0", add), ("resid_post.0", after)]
+    with m.hooks.installed(hooks):
+        generate_tokens(m, reqs, batch_size=16)
+    lengths = sorted((len(r.context), r.max_gen_toks) for r in reqs)[::-1]  # batch order: longest first
+    prefill = rec.calls[0]
+    P = lengths[0][0]
+    for row, (n, _) in enumerate(lengths):
+        assert prefill["all"][row] == [False] * (P - n) + [True] * n
+        assert prefill["real_index"][row][P - n :] == list(range(n))
+    changed = (mx.abs(after.calls[0]["x"] - before.calls[0]["x"]).max(axis=-1) > 0).tolist()
+    assert changed == prefill["all"]  # Add("all") touched every real token and no pad
+    for step, call in enumerate(rec.calls[1:], start=1):
+        # Decode forward `step` feeds generated token step-1 of each row still running.
+        live = [n for n, g in lengths if g > step]
+        assert call["S"] == 1 and sorted(r[0] for r in call["real_index"]) == sorted(n + step - 1 for n in live)
+        assert all(r == [True] for r in call["generated"]) and all(r == [False] for r in call["prompt"])
+    assert len(rec.calls) == max(g for _, g in lengths)

@@ -1,0 +1,231 @@
+"""generate_until over token ids, with lm-eval HF-backend semantics. No Ray, no lm-eval.
+
+Requests are sorted by prompt length and run in left-padded batches: one prefill forward over the padded
+prompts, then one decode forward per step for the rows still running. Finished rows are dropped from the
+KV caches so they cost nothing. Each step is evaluated once (one host sync) to read the new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+
+from .hooks import Rows, decoder_layers
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    context: tuple[int, ...]  # prompt token ids (already tokenized by the driver)
+    until: tuple[str, ...] = ()  # stop strings (the driver already appended the EOS string as lm-eval does)
+    max_gen_toks: int = 256
+    do_sample: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0  # per-request seed: sampled output must not depend on batch composition
+    # HF `generate` applies top_k=50 whenever it samples unless the model's generation_config says
+    # otherwise, so that is the default here too; 0 disables it.
+    top_k: int = 50
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0.0
+
+
+def truncate(request: GenRequest, max_length: int) -> GenRequest:
+    """Left-truncate the context to leave room for max_gen_toks, as lm-eval's HF backend does."""
+    r = request
+    if r.max_gen_toks < 0 or r.temperature < 0 or not 0.0 <= r.top_p <= 1.0 or r.top_k < 0:
+        raise ValueError(
+            f"invalid generation settings: max_gen_toks={r.max_gen_toks}, temperature={r.temperature}, "
+            f"top_p={r.top_p}, top_k={r.top_k} (need max_gen_toks, temperature, top_k >= 0 and 0 <= top_p <= 1)"
+        )
+    room = max_length - request.max_gen_toks
+    if room <= 0:
+        raise ValueError(
+            f"max_gen_toks ({request.max_gen_toks}) must be less than the model's max_length ({max_length})"
+        )
+    if len(request.context) > room:
+        return replace(request, context=tuple(request.context[-room:]))
+    return request
+
+
+def generate(lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16) -> list[str]:
+    """Generated text per request (cut at the first stop string), in the order given."""
+    tokens = generate_tokens(lm, requests, batch_size=batch_size)
+    return [stop_at(lm.tokenizer.decode(t, skip_special_tokens=True), r.until) for t, r in zip(tokens, requests)]
+
+
+def generate_tokens(lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16) -> list[list[int]]:
+    """Generated token ids per request: EOS excluded; a row ends at the token that completes a stop string
+    (decoded with special tokens, as lm-eval's stopping criteria do) or after max_gen_toks tokens."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+    reqs = []
+    for i, r in enumerate(requests):
+        r = truncate(r, lm.max_length)
+        if r.max_gen_toks > 0 and not r.context:
+            raise ValueError(f"request {i} has an empty context: generation needs at least one prompt token")
+        reqs.append(r)
+    out: list[list[int]] = [[] for _ in reqs]
+    # max_gen_toks=0 produces nothing without running the model.
+    todo = [i for i, r in enumerate(reqs) if r.max_gen_toks > 0]
+    # Longest first, like lm-eval: similar lengths share a batch (little padding) and memory peaks early.
+    todo.sort(key=lambda i: -len(reqs[i].context))
+    eos = frozenset(lm.tokenizer.eos_token_ids)
+    for b in range(0, len(todo), batch_size):
+        idx = todo[b : b + batch_size]
+        for i, ids in zip(idx, _generate_batch(lm, [reqs[i] for i in idx], eos)):
+            out[i] = ids
+    return out
+
+
+def stop_at(text: str, until: Sequence[str]) -> str:
+    """lm-eval's postprocess_generated_text: cut at each non-empty stop string in turn."""
+    for term in until:
+        if term:
+            text = text.split(term)[0]
+    return text
+
+
+def make_batch_cache(model: Any, left_padding: list[int]) -> list[Any]:
+    """One batched cache per layer, mirroring the model's own cache kinds (full or sliding window)."""
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+
+    if not hasattr(model, "make_cache"):
+        return [BatchKVCache(left_padding) for _ in decoder_layers(model)]
+    caches = []
+    for c in model.make_cache():
+        if type(c) is KVCache:
+            caches.append(BatchKVCache(left_padding))
+        elif type(c) is RotatingKVCache and c.keep == 0:
+            caches.append(BatchRotatingKVCache(c.max_size, left_padding))
+        else:
+            raise ValueError(
+                f"{type(model).__name__} uses {type(c).__name__} caches: batched generation supports "
+                "KV and sliding-window caches only"
+            )
+    return caches
+
+
+def _last_logits(lm: Any, tokens: mx.array, cache: list[Any]) -> mx.array:
+    # Every row is left-padded, so its newest token is at the last position: run the LM head there only.
+    h = lm.head.body(tokens, cache=cache)
+    return lm.head.head(h[:, -1:, :])[:, 0, :].astype(mx.float32)
+
+
+def _sample_keys(r: GenRequest) -> mx.array:
+    # One key per step derived from the request's own seed alone, so the draw at step t does not depend on
+    # which other rows share the batch.
+    return mx.random.split(mx.random.key(r.seed & 0xFFFFFFFFFFFFFFFF), max(2, r.max_gen_toks))
+
+
+def warp_logits(logits: mx.array, reqs: Sequence[GenRequest]) -> mx.array:
+    """HF's warpers in HF's order: temperature, top-k, top-p (TopPLogitsWarper, keeps at least one)."""
+    neg_inf = mx.array(-float("inf"), mx.float32)
+    logits = logits / mx.array([r.temperature if not r.greedy else 1.0 for r in reqs])[:, None]
+    V = logits.shape[-1]
+    top_k = [min(r.top_k, V) if r.top_k > 0 else V for r in reqs]
+    if any(k < V for k in top_k):
+        # Remove everything below each row's k-th largest logit (ties kept, like HF).
+        desc = -mx.sort(-logits, axis=-1)
+        kth = mx.take_along_axis(desc, mx.array(top_k)[:, None] - 1, axis=-1)
+        logits = mx.where(logits < kth, neg_inf, logits)
+    top_p = mx.array([r.top_p for r in reqs], mx.float32)[:, None]
+    if any(r.top_p < 1.0 for r in reqs):
+        order = mx.argsort(logits, axis=-1)  # ascending, as HF sorts
+        sorted_logits = mx.take_along_axis(logits, order, axis=-1)
+        cum = mx.cumsum(mx.softmax(sorted_logits, axis=-1), axis=-1)
+        remove = (cum <= 1 - top_p) & (mx.arange(V)[None, :] < V - 1) & (top_p < 1.0)
+        # Scatter the sorted-order decision back to vocabulary order.
+        remove = mx.take_along_axis(remove, mx.argsort(order, axis=-1), axis=-1)
+        logits = mx.where(remove, neg_inf, logits)
+    return logits
+
+
+def _next_tokens(logits: mx.array, reqs: Sequence[GenRequest], keys: Sequence[Any], step: int) -> mx.array:
+    greedy = mx.argmax(logits, axis=-1)
+    if all(r.greedy for r in reqs):
+        return greedy
+    # Gumbel-max: argmax(logits + G) is a draw from softmax(logits); each row draws with its own key.
+    V = logits.shape[-1]
+    noise = mx.stack([mx.random.gumbel((V,), key=k[step]) if k is not None else mx.zeros((V,)) for k in keys])
+    sampled = mx.argmax(warp_logits(logits, reqs) + noise, axis=-1)
+    return mx.where(mx.array([r.greedy for r in reqs]), greedy, sampled)
+
+
+def _lookback(until: Sequence[str]) -> int:
+    # Tokens to re-decode per step: a stop string completed by the newest token lies in the last len(stop)
+    # characters, which come from at most 4 tokens each (byte tokens); the slack absorbs the window's
+    # first characters, which may decode differently on their own (half a UTF-8 char, a dropped space).
+    return 4 * max((len(t) for t in until), default=0) + 16
+
+
+def _stopped(tokenizer: Any, ids: list[int], until: Sequence[str], lookback: int) -> bool:
+    # Special tokens are kept, as in lm-eval's MultiTokenEOSCriteria, so a stop string like "<|im_end|>"
+    # ends generation even when it is not an EOS id; the returned text is decoded without them.
+    text = tokenizer.decode(ids[-lookback:], skip_special_tokens=False)
+    return any(term and term in text for term in until)
+
+
+def _generate_batch(lm: Any, reqs: list[GenRequest], eos: frozenset[int]) -> list[list[int]]:
+    B = len(reqs)
+    P = max(len(r.context) for r in reqs)
+    pads = [P - len(r.context) for r in reqs]
+    tokens = mx.array([[0] * p + list(r.context) for p, r in zip(pads, reqs)])
+    cache = make_batch_cache(lm.model, pads)
+    keys = [None if r.greedy else _sample_keys(r) for r in reqs]
+    lookbacks = [_lookback(r.until) for r in reqs]
+
+    # Padded layout: row b's real tokens are [pads[b], pos); its prompt ends at prompt_end for every row.
+    prompt_end = pos = P
+    rows = Rows(offset=0, starts=mx.array(pads), ends=mx.full((B,), P), prompt_ends=mx.full((B,), P))
+    with lm.hooks.forward(rows):
+        logits = _last_logits(lm, tokens, cache)
+    y = _next_tokens(logits, reqs, keys, 0)
+
+    live = list(range(B))  # batch rows still generating, in cache order
+    generated: list[list[int]] = [[] for _ in range(B)]
+    step = 0
+    while True:
+        mx.eval(y, [c.state for c in cache])  # the step's one host sync
+        keep = []
+        for j, (b, tok) in enumerate(zip(live, y.tolist())):
+            r = reqs[b]
+            if tok in eos:
+                continue
+            generated[b].append(tok)
+            # Decode text, not the new token alone: a stop string may span tokens or end inside one.
+            if r.until and _stopped(lm.tokenizer, generated[b], r.until, lookbacks[b]):
+                continue
+            if len(generated[b]) < r.max_gen_toks:
+                keep.append(j)
+        step += 1
+        if not keep:
+            break
+        if len(keep) < len(live):
+            # Drop finished rows; the cache then trims the left padding the survivors no longer need,
+            # so shift the layout the same way to keep Rows consistent with it.
+            sel = mx.array(keep)
+            for c in cache:
+                c.filter(sel)
+            live = [live[j] for j in keep]
+            kept_pads = [pads[j] for j in keep]
+            shift = min(kept_pads)
+            pads = [p - shift for p in kept_pads]
+            prompt_end -= shift
+            pos -= shift
+            y = y[sel]
+        n = len(live)
+        rows = Rows(
+            offset=pos, starts=mx.array(pads), ends=mx.full((n,), pos + 1), prompt_ends=mx.full((n,), prompt_end)
+        )
+        with lm.hooks.forward(rows):
+            logits = _last_logits(lm, y[:, None], cache)
+        pos += 1
+        sub = [reqs[b] for b in live]
+        y = _next_tokens(logits, sub, [keys[b] for b in live], step)
+
+    return generated
