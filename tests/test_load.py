@@ -81,3 +81,23 @@ def test_folder_without_config_or_weights(llama_path, tmp_path):
 def test_unknown_dtype(llama_path):
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         load(str(llama_path), dtype="float8")
+
+
+def test_lora_adapter_changes_scores(llama_path, tmp_path):
+    """An mlx-lm LoRA adapter folder loads on top of the weights; lora_b != 0 moves the numbers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load as mlx_load
+
+    model, _ = mlx_load(str(llama_path))
+    lora = {"rank": 4, "scale": 10.0, "dropout": 0.0}
+    linear_to_lora_layers(model, 2, lora)
+    weights = {k: (v + 0.5 if k.endswith("lora_b") else v) for k, v in tree_flatten(model.parameters()) if "lora_" in k}
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), weights)
+    (adapter / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}))
+    base = loglikelihood(load(str(llama_path)), REQS)
+    tuned = loglikelihood(load(str(llama_path), adapter_path=str(adapter)), REQS)
+    assert all(abs(a[0] - b[0]) > 1e-3 for a, b in zip(tuned, base))

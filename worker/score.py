@@ -242,16 +242,22 @@ def loglikelihood(
     """(sum of continuation logprobs, continuation is greedy) for token-level (context, continuation) pairs."""
     batching = batching or Batching()
     rows, results = _rows(requests, lm.max_length)
-    pending = []
+
+    def collect(index, sums, misses) -> None:
+        for i, s, m in zip(index, sums.tolist(), misses.tolist()):
+            results[i] = (s, m == 0)
+
+    pending = None
     for fam in _families(rows, batching.prefix_reuse):
         cache = _prefix_cache(lm, fam.rows[0].tokens[: fam.prefix]) if fam.prefix else None
         prefix = fam.prefix if cache is not None else 0
         for batch in _batches(fam.rows, prefix, batching):
             out = _score_batch(lm, batch, prefix, cache)
-            mx.async_eval(out[1], out[2])  # overlap this batch's compute with building the next
-            pending.append(out)
-    for index, sums, misses in pending:
-        for i, s, m in zip(index, sums.tolist(), misses.tolist()):
-            results[i] = (s, m == 0)
+            mx.async_eval(out[1], out[2])  # this batch computes while the previous one is read back
+            if pending is not None:
+                collect(*pending)
+            pending = out
+    if pending is not None:
+        collect(*pending)
     return [results[i] for i in range(len(requests))]
 
