@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,12 +17,26 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+MMLU_CACHE = SHARED / "data" / "hf-datasets" / "cais___mmlu"
+
+# A private, writable datasets cache (datasets reads the variable when it is imported, so set it here),
+# holding a copy of the prepared offline `cais/mmlu` cache when ../shared has one.
+_cache = Path(tempfile.mkdtemp(prefix="orchard-hf-datasets-"))
+os.environ["HF_DATASETS_CACHE"] = str(_cache)
+if MMLU_CACHE.is_dir():
+    shutil.copytree(MMLU_CACHE, _cache / MMLU_CACHE.name)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _datasets_cache(tmp_path_factory):
-    """A private datasets cache: lm-eval's local JSON tasks write their arrow files here."""
-    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf-datasets"))
+def _remove_datasets_cache():
+    yield
+    shutil.rmtree(_cache, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def offline_mmlu() -> None:
+    if not MMLU_CACHE.is_dir():
+        pytest.skip("../shared/data/hf-datasets is absent: no offline MMLU")
 
 
 @pytest.fixture(scope="session")

@@ -96,3 +96,15 @@ def test_importing_orchard_keeps_lm_eval_backends():
     assert get_model("mlx") is MLXLM
     assert get_model("hf").__name__ == "HFLM"
     assert get_model("dummy").__name__ == "DummyLM"
+
+
+def test_real_mmlu_on_a_real_pretrained_model_matches_hf_backend(stories_path, offline_mmlu):
+    """lm-eval's stock mmlu subtask (offline cache) on the real TinyStories Llama, both backends."""
+    common = dict(tasks=["mmlu_abstract_algebra"], num_fewshot=2, limit=6, log_samples=True, verbosity="ERROR", device="cpu")
+    ours = lm_eval.simple_evaluate(model="mlx", model_args=f"pretrained={stories_path}", batch_size=8, **common)
+    ref = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={stories_path},dtype=float32", batch_size=8, **common)
+    task = "mmlu_abstract_algebra"
+    for a, b in zip(ours["samples"][task], ref["samples"][task]):
+        for (x,), (y,) in zip(a["resps"], b["resps"]):
+            assert close(x[0], y[0]) and x[1] == y[1], (x, y)
+    assert ours["results"][task]["acc,none"] == ref["results"][task]["acc,none"]
