@@ -155,22 +155,30 @@ def families(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length
 # --- forward passes ---------------------------------------------------------------------------------
 
 
+MAX_PADDING = 0.15  # close a batch (of at least MIN_ROWS rows) before pads exceed this share of its tokens
+MIN_ROWS = 4
+
+
 def _batches(rows: list[Row], prefix: int, batching: Batching) -> list[list[Row]]:
-    """Rows sorted by length, cut so that no forward exceeds the row and token budgets."""
+    """Rows sorted by length, cut so that no forward exceeds the row and token budgets or wastes much on pads."""
     rows = sorted(rows, key=lambda r: len(r.tokens))
     out: list[list[Row]] = []
     batch: list[Row] = []
+    real = 0  # real (unpadded) suffix tokens in the batch
     for row in rows:
         width = len(row.tokens) - prefix  # longest so far: rows are sorted
+        size = len(batch) + 1
         fits = (
-            len(batch) < batching.batch_size
-            and (len(batch) + 1) * width <= batching.max_batch_tokens
-            and (len(batch) + 1) * len(row.tokens) <= 4 * batching.max_batch_tokens
+            size <= batching.batch_size
+            and size * width <= batching.max_batch_tokens
+            and size * len(row.tokens) <= 4 * batching.max_batch_tokens
+            and (len(batch) < MIN_ROWS or size * width <= (1 + MAX_PADDING) * (real + width))
         )
         if batch and not fits:
             out.append(batch)
-            batch = []
+            batch, real = [], 0
         batch.append(row)
+        real += width
     if batch:
         out.append(batch)
     return out
@@ -224,9 +232,8 @@ def _score_batch(lm, batch: list[Row], prefix: int, cache: list | None):
     uniq = sorted(set(flat_pos))
     where = {p: k for k, p in enumerate(uniq)}
     logits = lm.head.head(hidden[mx.array(uniq)]).astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     at, tg = mx.array([where[p] for p in flat_pos]), mx.array(targets)
-    token_lp = logprobs[at, tg]
+    token_lp = logits[at, tg] - mx.logsumexp(logits, axis=-1)[at]  # log-softmax, read at the targets only
     missed = (mx.argmax(logits, axis=-1)[at] != tg).astype(mx.int32)
     seg = mx.array(segment)
     sums = mx.zeros((len(index),), mx.float32).at[seg].add(token_lp)
