@@ -6,9 +6,4 @@
 
 import lm_eval.models  # noqa: F401  (must precede our registrations)
 
-from . import lm  # noqa: F401,E402  registers "mlx"
-
-try:
-    from . import ray_lm  # noqa: F401  registers "mlx-ray"
-except ImportError:  # pragma: no cover - while ray_lm is being written
-    pass
+from . import lm, ray_lm  # noqa: F401,E402  register "mlx" and "mlx-ray"

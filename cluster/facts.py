@@ -1,0 +1,64 @@
+"""What a node is: host, OS, chip, memory and the versions that decide its numbers."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+
+PACKAGES = ("mlx", "mlx-lm", "lm_eval", "ray")
+# What every worker must share: a different mlx, mlx-lm or model file can change a number; Ray refuses mixed
+# Python or Ray versions anyway, but later and less clearly. `model_files` is reported by the worker actor.
+MUST_MATCH = ("python", "mlx", "mlx-lm", "ray", "model_files")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _chip() -> str | None:
+    if platform.system() != "Darwin":
+        return None
+    try:
+        out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def collect() -> dict:
+    """Facts about the machine this runs on (inside an actor: the node it was placed on)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    return {
+        "node_id": node_id,
+        "hostname": socket.gethostname(),
+        "os": f"{platform.system()} {platform.release()}",
+        "arch": platform.machine(),
+        "chip": _chip(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        **{p: _version(p) for p in PACKAGES},
+    }
+
+
+def mismatch(facts: list[dict]) -> str | None:
+    """A one-line description of the first version workers disagree on, or None when they all agree."""
+    for key in MUST_MATCH:
+        values: dict[str, list[str]] = {}
+        for f in facts:
+            v = f.get(key) or "missing"
+            if key == "python":  # the patch level does not matter
+                v = ".".join(v.split(".")[:2])
+            values.setdefault(v, []).append(f.get("hostname") or "?")
+        if len(values) > 1:
+            where = "; ".join(f"{v} on {', '.join(sorted(set(hosts)))}" for v, hosts in sorted(values.items()))
+            fix = "give every Mac the same model files" if key == "model_files" else f"install the same {key} on every Mac"
+            return f"workers disagree on {key} ({where}): {fix}"
+    return None

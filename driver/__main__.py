@@ -1,0 +1,5 @@
+"""`python -m driver ...` is the `driver` command."""
+
+from .cli import main
+
+main()

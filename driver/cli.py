@@ -1,0 +1,299 @@
+"""`driver`: run lm-eval benchmarks over Ray workers, one per Mac (`driver run`), offline demo, cluster nodes.
+
+Heavy imports (lm-eval, Ray, MLX) happen inside the commands, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+DEMO_TASKS = "orchard_mc,orchard_ppl,orchard_gen"
+
+
+def _seeds(value: str) -> dict[str, int | None]:
+    """lm-eval's --seed: one integer for all four seeds, or four comma-separated values (None keeps one unset)."""
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) == 1:
+        parts *= 4
+    if len(parts) != 4:
+        raise click.BadParameter(f"{value!r}: give one integer or four comma-separated ones", param_hint="--seed")
+    try:
+        seeds = [None if p == "None" else int(p) for p in parts]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a list of integers", param_hint="--seed") from None
+    return dict(zip(("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seeds))
+
+
+def _limit(value: str | None) -> float | int | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number", param_hint="--limit") from None
+    if number <= 0:
+        raise click.BadParameter(f"{value}: give a count (>= 1) or a fraction (< 1)", param_hint="--limit")
+    return number if number < 1 else int(number)
+
+
+def _task_manager(tasks: str, include_path: str | None):
+    from lm_eval.tasks import TaskManager
+
+    if include_path and not Path(include_path).is_dir():
+        raise click.UsageError(f"--include-path {include_path}: no such folder of task YAMLs")
+    manager = TaskManager(include_path=include_path)
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    unknown = [t for t in names if not manager.match_tasks([t])]
+    if unknown or not names:
+        raise click.UsageError(
+            f"unknown task {', '.join(unknown) or repr(tasks)}: list tasks with `lm_eval ls tasks`, "
+            "or pass a folder of task YAMLs with --include-path"
+        )
+    return manager, names
+
+
+def _summary(info: dict, seconds: float) -> dict:
+    per_worker = {
+        name: {"requests": n, "requests_per_s": info["requests_per_s"][name]} for name, n in sorted(info["requests_computed"].items())
+    }
+    return {
+        "address": info["address"],
+        "workers": info["workers"],
+        "workers_alive": info["workers_alive"],
+        "nodes": info["nodes"],
+        "requests": sum(info["requests_computed"].values()) + info["requests_cached"],
+        "requests_cached": info["requests_cached"],
+        "per_worker": per_worker,
+        "scoring_s": info["seconds"],
+        "wall_s": round(seconds, 3),
+        "cache": info["cache"],
+        "worker_facts": info["facts"],
+    }
+
+
+def _print_summary(summary: dict) -> None:
+    click.echo(
+        f"\n{summary['workers']} workers on {summary['nodes']} node{'s' * (summary['nodes'] != 1)} ({summary['address']}): "
+        f"{summary['requests']} requests ({summary['requests_cached']} from cache) in {summary['wall_s']:.1f} s"
+    )
+    for name, row in summary["per_worker"].items():
+        click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def main() -> None:
+    """Orchard: lm-eval benchmarks across a Ray cluster of Apple-silicon Macs, one MLX model per Mac.
+
+    Each Mac joins the cluster with `ray start --address HEAD:6379 --resources='{"mlx": 1}'`; `driver run`
+    places one worker per such node. With no --address (and no RAY_ADDRESS) Ray runs on this machine only.
+    """
+    # On macOS Ray advertises loopback only, unless multi-node clusters are enabled (read when Ray is imported).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
+
+
+@main.command()
+@click.option("--model", "model", required=True, help="Local model folder or Hugging Face repo id (mlx-lm format).")
+@click.option("--tasks", required=True, help="Comma-separated lm-eval task or group names, e.g. mmlu.")
+@click.option("--workers", default="all", show_default=True, help="Number of workers (one per `mlx` node), or all.")
+@click.option(
+    "--address",
+    default=None,
+    help="Ray cluster: auto (the one running here), HOST:PORT, or local (embedded). Default: $RAY_ADDRESS, else local.",
+)
+@click.option("--num-fewshot", "--num_fewshot", "num_fewshot", type=int, default=None, help="Few-shot examples per question.")
+@click.option("--limit", default=None, help="Documents per task: a count, or a fraction if < 1 (for testing).")
+@click.option("--batch-size", "--batch_size", "batch_size", default="32", show_default=True, help="Rows per forward pass on a worker.")
+@click.option("--max-length", "--max_length", "max_length", type=int, default=None, help="Context window (default: the model's).")
+@click.option(
+    "--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16,revision=main."
+)
+@click.option(
+    "--output-path",
+    "--output_path",
+    "output_path",
+    type=click.Path(file_okay=False),
+    default="orchard-out",
+    show_default=True,
+    help="Folder for results JSON, samples and the run summary.",
+)
+@click.option("--log-samples", "--log_samples", "log_samples", is_flag=True, help="Also write every sample's inputs and outputs.")
+@click.option("--include-path", "--include_path", "include_path", default=None, help="Extra folder of task YAMLs.")
+@click.option("--gen-kwargs", "--gen_kwargs", "gen_kwargs", default=None, help="Generation settings, e.g. temperature=0,max_gen_toks=64.")
+@click.option("--apply-chat-template", "--apply_chat_template", "apply_chat_template", is_flag=True, help="Wrap prompts in the model's chat template.")
+@click.option("--seed", default="0,1234,1234,1234", show_default=True, help="Python,numpy,torch,fewshot seeds (or one for all).")
+@click.option(
+    "--cache",
+    "cache",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Result cache folder: a rerun reuses every finished request. Default: OUTPUT_PATH/cache.",
+)
+@click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
+@click.option("--dashboard", is_flag=True, help="Start Ray's dashboard with the embedded Ray (off by default).")
+def run(
+    model: str,
+    tasks: str,
+    workers: str,
+    address: str | None,
+    num_fewshot: int | None,
+    limit: str | None,
+    batch_size: str,
+    max_length: int | None,
+    model_args: str,
+    output_path: str,
+    log_samples: bool,
+    include_path: str | None,
+    gen_kwargs: str | None,
+    apply_chat_template: bool,
+    seed: str,
+    cache: str | None,
+    threads: int | None,
+    dashboard: bool,
+) -> None:
+    """Evaluate MODEL on lm-eval TASKS with its requests spread over Ray workers.
+
+    Prints lm-eval's table and writes lm-eval's results JSON (and samples) plus summary_*.json under OUTPUT_PATH.
+    """
+    start = time.monotonic()
+    seeds = _seeds(seed)
+    limit_value = _limit(limit)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from lm_eval.utils import simple_parse_args_string
+
+    from cluster import ClusterError, parse_workers
+
+    try:
+        parse_workers(workers)
+    except ClusterError as e:
+        raise click.UsageError(str(e)) from None
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    from .ray_lm import MLXRayLM
+
+    manager, names = _task_manager(tasks, include_path)
+    args: dict[str, Any] = {
+        **simple_parse_args_string(model_args),
+        "pretrained": model,
+        "workers": workers,
+        "batch_size": batch_size,
+        "cache": cache or str(Path(output_path) / "cache"),
+        "dashboard": dashboard,
+    }
+    for name, value in (("address", address), ("max_length", max_length), ("threads", threads)):
+        if value is not None:
+            args[name] = value
+    try:
+        lm = MLXRayLM.create_from_arg_obj(args)
+    except ValueError as e:  # ModelLoadError, bad model_args
+        raise click.ClickException(str(e).strip().splitlines()[0]) from None
+    except ClusterError as e:
+        raise click.ClickException(str(e)) from None
+    tracker = EvaluationTracker(output_path=output_path)
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            model_args=args,
+            tasks=names,
+            num_fewshot=num_fewshot,
+            batch_size=batch_size,
+            limit=limit_value,
+            log_samples=log_samples,
+            evaluation_tracker=tracker,
+            apply_chat_template=apply_chat_template,
+            gen_kwargs=gen_kwargs,
+            task_manager=manager,
+            verbosity="WARNING",
+            **seeds,
+        )
+        info = lm.executor.info()
+    except ClusterError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        lm.executor.close()
+    results["config"]["model"] = "mlx-ray"
+    samples = results.pop("samples", None)
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for task in results["configs"] if samples else ():
+        tracker.save_results_samples(task_name=task, samples=samples[task])
+    summary = _summary(info, time.monotonic() - start)
+    folder = Path(output_path) / tracker.general_config_tracker.model_name_sanitized
+    (folder / f"summary_{tracker.date_id}.json").write_text(json.dumps(summary, indent=2, default=handle_non_serializable))
+    click.echo(make_table(results))
+    if "groups" in results:
+        click.echo(make_table(results, "groups"))
+    _print_summary(summary)
+    click.echo(f"results: {folder}")
+
+
+@main.command()
+@click.option("--workers", default=4, show_default=True, type=int, help="Workers on the embedded local Ray.")
+@click.option(
+    "--dir",
+    "folder",
+    default="orchard-out/demo",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where the demo model, tasks, results and cache go.",
+)
+@click.pass_context
+def demo(ctx: click.Context, workers: int, folder: str) -> None:
+    """Offline end-to-end run: a small random-weight model and three local tasks on WORKERS local workers.
+
+    Writes the model (real tokenizer trained locally) and tasks (multiple choice, rolling perplexity,
+    generation) under DIR, then runs `driver run` on the embedded Ray. Needs no network.
+    """
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from worker.synthetic import write_model
+
+    from .tasks import write_tasks
+
+    root = Path(folder)
+    model = root / "model"
+    if not (model / "config.json").exists():
+        write_model(model, arch="llama")
+    tasks = write_tasks(root / "tasks")
+    ctx.invoke(
+        run,
+        model=str(model),
+        tasks=DEMO_TASKS,
+        workers=str(workers),
+        address="local",
+        include_path=str(tasks),
+        output_path=str(root / "out"),
+        max_length=128,
+        batch_size="8",
+        model_args="max_batch_tokens=512",
+        threads=1,
+    )
+
+
+@main.command()
+@click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
+def nodes(address: str | None) -> None:
+    """List the cluster's `mlx` nodes: host, OS, chip, memory and versions."""
+    from cluster import ClusterError, connect, node_facts
+
+    try:
+        connection = connect(address)
+    except ClusterError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        facts = node_facts()
+    finally:
+        connection.close()
+    if not facts:
+        raise click.ClickException("no node offers the `mlx` resource: start each Mac with ray start --resources='{\"mlx\": 1}'")
+    for f in facts:
+        click.echo(
+            f"{f['hostname']:<20} {f['node_id'][:12]}  {f['os']} {f['arch']}  {f['chip'] or '-'}  {f['memory_gb']} GB  "
+            f"python {f['python']}  mlx {f['mlx']}  mlx-lm {f['mlx-lm']}  lm-eval {f['lm_eval']}  ray {f['ray']}"
+        )

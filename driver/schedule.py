@@ -1,0 +1,207 @@
+"""Cut requests into chunks, hand them to workers as they ask for work, and merge results by global index.
+
+Pull-based: each worker holds at most `depth` chunks (one running, one queued behind it), so a fast Mac comes
+back for more sooner and takes more chunks. Once the queue is empty, an idle worker runs a copy of the chunk
+expected to finish last (a backup, as in MapReduce); the first copy to arrive wins and later ones are dropped.
+A worker that dies gives its chunks back to the queue; it rejoins if Ray restarts it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+PER_WORKER = 8  # a chunk's budget is at most 1/(PER_WORKER * workers) of the tokens left to cut
+
+
+class WorkersLost(RuntimeError):
+    """Every worker is gone: the run cannot finish."""
+
+
+def cut(
+    costs: Sequence[int], families: Sequence[Sequence[int]], *, workers: int, max_tokens: int, min_tokens: int
+) -> list[list[int]]:
+    """Chunks of request indices: longest families first, a family whole unless it alone exceeds `max_tokens`.
+
+    The budget of each chunk is a share of the tokens not yet cut, within [min_tokens, max_tokens]: chunks shrink
+    toward the end of the queue, so the last ones finish close together even on uneven workers.
+    """
+    order = sorted(families, key=lambda f: -max(costs[i] for i in f))
+    remaining = sum(costs)
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    budget = max_tokens
+
+    def close() -> None:
+        nonlocal current, used, budget
+        if current:
+            chunks.append(current)
+        current, used = [], 0
+        budget = max(min_tokens, min(max_tokens, math.ceil(remaining / (PER_WORKER * workers))))
+
+    close()
+    for family in order:
+        size = sum(costs[i] for i in family)
+        if used and used + size > budget:
+            close()
+        for i in family:  # a family over max_tokens is split into budget-sized pieces, in order
+            if used and used + costs[i] > budget and size > max_tokens:
+                close()
+            current.append(i)
+            used += costs[i]
+            remaining -= costs[i]
+    close()
+    return chunks
+
+
+class Merge:
+    """Results placed at their global index; each index exactly once."""
+
+    def __init__(self, n: int):
+        self.values: list[Any] = [None] * n
+        self.filled = bytearray(n)
+        self.count = 0
+
+    def add(self, indices: Sequence[int], values: Sequence[Any]) -> None:
+        assert len(indices) == len(values), f"{len(values)} results for {len(indices)} requests"
+        for i, v in zip(indices, values):
+            assert not self.filled[i], f"request {i} arrived twice"
+            self.filled[i] = 1
+            self.values[i] = v
+        self.count += len(indices)
+
+    def missing(self) -> list[int]:
+        return [i for i, f in enumerate(self.filled) if not f]
+
+    def result(self) -> list[Any]:
+        missing = self.missing()
+        assert not missing, f"{len(missing)} requests never arrived (first: {missing[:5]})"
+        return self.values
+
+
+class Pool:
+    """The workers of a run, across dispatch calls: which are alive, and which Ray is restarting.
+
+    `revive(worker)` returns a Ray object ref that completes once a lost worker is back (its model reloaded),
+    or fails if it is gone for good.
+    """
+
+    def __init__(self, workers: Sequence[Any], revive: Callable[[Any], Any]):
+        self.workers = list(workers)
+        self.revive = revive
+        self.alive = set(range(len(self.workers)))
+        self.reviving: dict[Any, int] = {}  # ref -> worker index
+
+    def lost(self, w: int) -> None:
+        if w in self.alive:
+            self.alive.discard(w)
+            self.reviving[self.revive(self.workers[w])] = w
+
+    def back(self, ref: Any) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        w = self.reviving.pop(ref)
+        try:
+            ray.get(ref)
+            self.alive.add(w)
+        except RayActorError:
+            pass  # gone for good
+
+
+def dispatch(
+    chunks: Sequence[Sequence[int]],
+    costs: Sequence[float],
+    pool: Pool,
+    submit: Callable[[Any, int], Any],
+    on_result: Callable[[int, int, Any], None],
+    *,
+    depth: int = 2,
+    revive_timeout: float = 600.0,
+) -> None:
+    """Run every chunk once on some worker; `on_result(worker_index, chunk_index, value)` gets the first copy.
+
+    `submit(worker, chunk_index)` returns a Ray object ref. Raises WorkersLost when no worker is left and none
+    comes back within `revive_timeout` seconds; results already passed to `on_result` stay delivered.
+    """
+    import ray
+    from ray.exceptions import RayActorError
+
+    start = time.monotonic()
+    n = len(pool.workers)
+    queue = list(range(len(chunks)))[::-1]  # pop() takes the next chunk
+    done = [False] * len(chunks)
+    copies = [0] * len(chunks)  # copies in flight
+    flight: dict[Any, tuple[int, int]] = {}  # ref -> (worker index, chunk index)
+    held: list[list[int]] = [[] for _ in range(n)]  # chunks in flight per worker, in submission order
+    since = [start] * n  # when each worker's first held chunk started running (at best)
+    work = [0.0] * n  # cost finished per worker: its speed is work / elapsed
+
+    def send(w: int, c: int) -> None:
+        if not held[w]:
+            since[w] = time.monotonic()
+        flight[submit(pool.workers[w], c)] = (w, c)
+        held[w].append(c)
+        copies[c] += 1
+
+    def speed(w: int) -> float:
+        return work[w] / max(time.monotonic() - start, 1e-9) or 1e-9
+
+    def backup_for(w: int) -> int | None:
+        """The single-copy chunk expected to finish last, if a copy on idle worker w would finish sooner."""
+        now, best, latest = time.monotonic(), None, 0.0
+        for v in pool.alive:
+            finish = since[v]
+            for c in held[v]:
+                finish += costs[c] / speed(v)
+                if copies[c] == 1 and not done[c] and finish > latest:
+                    best, latest = c, finish
+        if best is not None and (work[w] == 0 or now + costs[best] / speed(w) < latest):
+            return best
+        return None
+
+    def fill() -> None:
+        for level in range(1, depth + 1):
+            for w in sorted(pool.alive):
+                if len(held[w]) >= level:
+                    continue
+                while queue and done[queue[-1]]:
+                    queue.pop()
+                c = queue.pop() if queue else (backup_for(w) if not held[w] else None)
+                if c is not None:
+                    send(w, c)
+
+    left = len(chunks)
+    while left:
+        fill()
+        if not flight and not pool.reviving:
+            raise WorkersLost("every worker is lost")
+        timeout = None if flight else revive_timeout
+        ready, _ = ray.wait(list(flight) + list(pool.reviving), num_returns=1, timeout=timeout)
+        if not ready:
+            raise WorkersLost(f"every worker is lost and none came back within {revive_timeout:.0f} s")
+        ref = ready[0]
+        if ref in pool.reviving:
+            pool.back(ref)
+            continue
+        w, c = flight.pop(ref)
+        held[w].remove(c)
+        copies[c] -= 1
+        try:
+            value = ray.get(ref)
+        except RayActorError:  # the worker died (or its node did): its chunk goes back to the queue
+            pool.lost(w)
+            if not done[c] and not copies[c]:
+                queue.append(c)
+            continue
+        since[w] = time.monotonic()
+        work[w] += costs[c]
+        if not done[c]:
+            done[c] = True
+            left -= 1
+            on_result(w, c, value)
+    for ref in flight:  # backups still running: their results are no longer needed
+        ray.cancel(ref)
