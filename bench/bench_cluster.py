@@ -61,6 +61,7 @@ def main() -> None:
     n = sum(info["requests_computed"].values())
     print(f"\n{n} MMLU loglikelihood requests ({len(answers[0])} subjects x {args.limit} questions x 4 choices, 5-shot)")
     print(f"model: random llama hidden={args.hidden} layers={args.layers}; MLX {info['facts'][0]['mlx']} on CPU")
+    print(f"BLAS on the workers: {info['facts'][0]['blas']}")
     print(f"{'workers':>8} {'best s':>8} {'all runs (s)':>24} {'requests/s':>11}")
     for workers, runs in seconds.items():
         print(f"{workers:>8} {min(runs):>8.2f} {' '.join(f'{r:.1f}' for r in runs):>24} {n / min(runs):>11.1f}")

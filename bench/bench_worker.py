@@ -61,20 +61,15 @@ def blas_in_use() -> str:
     """Which BLAS the process mapped: MLX's CPU wheel bundles reference BLAS; OpenBLAS only when preloaded."""
     import mlx.core as mx
 
+    from cluster.facts import blas
+
     a = mx.ones((8, 8))
-    mx.eval(a @ a)
-    libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if ".so" in line})
-    openblas = [p for p in libs if "openblas" in p.lower()]
-    if openblas:
-        return f"OpenBLAS ({openblas[0]}, preloaded ahead of mlx's bundled BLAS)"
-    blas = [p for p in libs if "blas" in Path(p).name.lower()]
-    name = Path(blas[0]).name if blas else "?"
-    hint = (
-        f"; ~10x faster: LD_PRELOAD={OPENBLAS}"
-        if Path(OPENBLAS).exists()
-        else "; ~10x faster: apt-get install libopenblas0-pthread, then LD_PRELOAD=" + OPENBLAS
-    )
-    return f"reference (netlib) BLAS bundled with mlx-cpu ({name}){hint}"
+    mx.eval(a @ a)  # loads the BLAS
+    name = blas()
+    if name.startswith("reference"):
+        how = f"LD_PRELOAD={OPENBLAS}" if Path(OPENBLAS).exists() else f"apt-get install libopenblas0-pthread, then LD_PRELOAD={OPENBLAS}"
+        name += f"; ~10x faster: {how}"
+    return name
 
 
 # --- benchmark model ------------------------------------------------------------------------------

@@ -31,6 +31,24 @@ def _chip() -> str | None:
         return None
 
 
+def blas() -> str:
+    """Which BLAS this process runs MLX's CPU matmuls with (OpenBLAS when preloaded on Linux: ~10x the bundled one)."""
+    if platform.system() == "Darwin":
+        return "Accelerate (macOS)"
+    import mlx.core  # noqa: F401  (loading mlx maps its BLAS)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if ".so" in line}
+    except OSError:
+        return "unknown"
+    names = sorted(os.path.basename(p) for p in libs)
+    if any("openblas" in n.lower() for n in names):
+        return "OpenBLAS (preloaded)"
+    bundled = [n for n in names if "blas" in n.lower()]
+    return f"reference BLAS bundled with mlx ({bundled[0]})" if bundled else "unknown"
+
+
 def collect() -> dict:
     """Facts about the machine this runs on (inside an actor: the node it was placed on)."""
     import ray
@@ -44,6 +62,7 @@ def collect() -> dict:
         "chip": _chip(),
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(),
+        "blas": blas(),
         **{p: _version(p) for p in PACKAGES},
     }
 
