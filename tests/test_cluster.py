@@ -130,6 +130,15 @@ def test_one_worker_per_mlx_node_and_counts(ray_cluster):
     assert orchard_cluster.mismatch(facts) is None
 
 
+def test_mixed_versions_or_model_files_are_refused_in_one_line():
+    base = {"hostname": "mac1", "python": "3.11.7", "mlx": "0.32.4", "mlx-lm": "0.32.2", "ray": "2.60.0", "model_files": "ab"}
+    assert orchard_cluster.mismatch([base, {**base, "hostname": "mac2", "python": "3.11.9"}]) is None  # patch level
+    message = orchard_cluster.mismatch([base, {**base, "hostname": "mac2", "mlx": "0.31.0"}])
+    assert message == "workers disagree on mlx (0.31.0 on mac2; 0.32.4 on mac1): install the same mlx on every Mac"
+    message = orchard_cluster.mismatch([base, {**base, "hostname": "mac2", "model_files": "cd"}])
+    assert "workers disagree on model_files" in message and "same model files" in message
+
+
 def _dispatch(pool, chunks, **kw):
     got = []
     submit = lambda a, c: a.run.remote(chunks[c])  # noqa: E731
