@@ -98,3 +98,20 @@ def test_short_shared_prefix_is_not_worth_a_pass(lm):
 def test_request_without_any_context_token_is_refused(lm):
     with pytest.raises(ValueError, match="no context token"):
         loglikelihood(lm, [([], [5])])
+
+
+def test_qwen2_family_scores_like_its_plain_forward(tmp_path):
+    """A third architecture (attention biases, qwen2 block): same kernel, same reference."""
+    from mlx_lm.utils import load as mlx_load
+
+    from worker.synthetic import write_model
+
+    path = write_model(tmp_path / "qwen2", arch="qwen2")
+    lm = load(str(path), max_length=96)
+    plain, _ = mlx_load(str(path))
+    x = mx.array([[1, 40, 300, 7, 99]])
+    assert mx.array_equal(plain(x), lm.model(x)).item()
+    reqs = make_requests(seed=2)[:20]
+    for (ctx, cont), (lp, greedy) in zip(reqs, loglikelihood(lm, reqs)):
+        ref_lp, ref_greedy = reference(lm, ctx, cont)
+        assert lp == pytest.approx(ref_lp, abs=1e-4) and greedy == ref_greedy
