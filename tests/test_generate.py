@@ -285,7 +285,8 @@ class Record:
                 all=r.mask("all", B, S).tolist(),
                 prompt=r.mask("prompt", B, S).tolist(),
                 generated=r.mask("generated", B, S).tolist(),
-                real_index=r.real_index(S).tolist(),
+                # each token's index among its own row's real tokens
+                real_index=(mx.arange(r.offset, r.offset + S)[None, :] - r.starts[:, None]).tolist(),
             )
         )
         return x

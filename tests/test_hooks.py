@@ -122,16 +122,14 @@ def test_replace_and_interpolate(lm):
     x = mx.array(TOKENS)
     v = np.full(width(lm), 3.0, np.float32)
     for weight in (1.0, 0.5):
-        after = Snapshot()
-        with lm.hooks.installed([("resid_post.0", Capture("all")), ("resid_post.0", Replace(v, weight, "last")), ("resid_post.0", after)]):
+        before, after = Snapshot(), Snapshot()
+        with lm.hooks.installed([("resid_post.0", before), ("resid_post.0", Replace(v, weight, "last")), ("resid_post.0", after)]):
             lm.model(x)
-        x_after = after.seen[0][0][0]
-        assert np.allclose(x_after[-1], v) if weight == 1.0 else not np.allclose(x_after[-1], v)
-    before = Capture("all")
-    with lm.hooks.installed([("resid_post.0", before), ("resid_post.0", Replace(v, 0.5, "last")), ("resid_post.0", after)]):
-        lm.model(x)
-    orig = np.array(before.records[0][0][-1])
-    assert np.allclose(after.seen[-1][0][0][-1], orig + 0.5 * (v - orig), atol=1e-6)
+        old, new = before.seen[0][0][0], after.seen[0][0][0]
+        assert np.allclose(new[-1], old[-1] + weight * (v - old[-1]), atol=1e-6)
+        assert np.array_equal(new[:-1], old[:-1])  # only the last token moved
+        if weight == 1.0:
+            assert np.array_equal(new[-1], v)  # replaced exactly
 
 
 def test_steering_is_the_same_with_and_without_prefix_reuse(lm):

@@ -56,11 +56,6 @@ class Rows:
             return real & (idx < prompt_ends)
         return real & (idx >= prompt_ends)
 
-    def real_index(self, length: int) -> mx.array:
-        """[B, S] position of each token within its own row's real tokens (0 = first real token)."""
-        idx = mx.arange(self.offset, self.offset + length)[None, :]
-        return idx - self.starts[:, None] if self.starts is not None else mx.broadcast_to(idx, (1, length))
-
 
 Hook = Callable[[mx.array, "HookContext"], mx.array]
 
@@ -196,6 +191,11 @@ def _as_vector(vector: Any, like: mx.array) -> mx.array:
     return v
 
 
+def _at(positions: str, x: mx.array, ctx: HookContext, new: mx.array) -> mx.array:
+    """`new` at the selected positions of each row, `x` everywhere else (pads included)."""
+    return mx.where(ctx.rows.mask(positions, x.shape[0], x.shape[1])[..., None], new, x)
+
+
 @dataclass
 class Add:
     """x += alpha * v at the selected positions."""
@@ -205,9 +205,7 @@ class Add:
     positions: str = "all"
 
     def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
-        mask = ctx.rows.mask(self.positions, x.shape[0], x.shape[1])[..., None]
-        delta = (self.alpha * _as_vector(self.vector, x)).astype(x.dtype)
-        return mx.where(mask, x + delta, x)
+        return _at(self.positions, x, ctx, x + (self.alpha * _as_vector(self.vector, x)).astype(x.dtype))
 
 
 @dataclass
@@ -219,10 +217,8 @@ class Replace:
     positions: str = "all"
 
     def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
-        mask = ctx.rows.mask(self.positions, x.shape[0], x.shape[1])[..., None]
         v = _as_vector(self.vector, x)
-        target = v if self.weight == 1.0 else x + (self.weight * (v - x)).astype(x.dtype)
-        return mx.where(mask, target, x)
+        return _at(self.positions, x, ctx, v if self.weight == 1.0 else x + (self.weight * (v - x)).astype(x.dtype))
 
 
 class Capture:

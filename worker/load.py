@@ -27,7 +27,7 @@ class LoadedModel:
     config: dict
     path: Path
     max_length: int
-    head: Any = field(default=None, repr=False)  # worker.score.Head: hidden states -> logits at chosen rows
+    head: Any = field(repr=False)  # worker.score.Head: hidden states -> logits at chosen rows
 
 
 def is_local(path_or_repo: str) -> bool:
@@ -150,6 +150,4 @@ def load(
         model.set_dtype(getattr(mx, dtype))
     model.eval()
     hooks = instrument(model)
-    loaded = LoadedModel(model, tokenizer, hooks, config, path, context_window(config, max_length))
-    loaded.head = Head.for_model(model)
-    return loaded
+    return LoadedModel(model, tokenizer, hooks, config, path, context_window(config, max_length), Head.for_model(model))
