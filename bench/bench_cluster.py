@@ -40,7 +40,7 @@ def main() -> None:
     from lm_eval.tasks import TaskManager
 
     from driver.ray_lm import MLXRayLM
-    from worker.synthetic import write_model
+    from testbed.models import write_model
 
     model = write_model(work / "model", hidden=args.hidden, layers=args.layers, intermediate=3 * args.hidden, max_positions=2048)
     manager = TaskManager()

@@ -76,11 +76,11 @@ def blas_in_use() -> str:
 
 
 def write_bench_model(out: Path, hidden: int = 256, layers: int = 4, seed: int = 0) -> tuple[Path, str]:
-    """worker.synthetic.write_model's llama, re-vocabbed to the GPT-2 tokenizer when ../shared has it."""
+    """testbed.models.write_model's llama, re-vocabbed to the GPT-2 tokenizer when ../shared has it."""
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    from worker.synthetic import write_model
+    from testbed.models import write_model
 
     write_model(
         out, arch="llama", hidden=hidden, layers=layers, heads=4, kv_heads=2, intermediate=3 * hidden,
@@ -115,7 +115,7 @@ def _read(split: str, subject: str) -> list[dict]:
 
 
 def _synthetic(subject: str, n: int, seed: int) -> list[dict]:
-    from worker.synthetic import _WORDS
+    from testbed.models import _WORDS
 
     rng = random.Random(f"{subject}-{seed}")
 

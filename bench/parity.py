@@ -6,8 +6,8 @@ import os, sys, tempfile
 os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=tempfile.mkdtemp(), TOKENIZERS_PARALLELISM="false")
 import lm_eval, driver
 from lm_eval.tasks import TaskManager
-from driver.tasks import write_tasks
-from worker.synthetic import write_model
+from testbed.tasks import write_tasks
+from testbed.models import write_model
 root = tempfile.mkdtemp()
 tm = TaskManager(include_path=str(write_tasks(f"{root}/tasks")))
 for arch in ("llama", "gpt2"):

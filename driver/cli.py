@@ -252,9 +252,9 @@ def demo(ctx: click.Context, workers: int, folder: str) -> None:
     """
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from worker.synthetic import write_model
+    from testbed.models import write_model
 
-    from .tasks import write_tasks
+    from testbed.tasks import write_tasks
 
     root = Path(folder)
     model = root / "model"

@@ -20,7 +20,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from worker.generate import GenRequest, truncate
-from worker.load import context_window, fingerprint, is_local, resolve
+from worker.load import context_window, fingerprint, is_local, load, resolve
 from worker.spec import Batching, ModelSpec
 
 TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
@@ -38,7 +38,7 @@ class LocalExecutor:
     """The worker kernels on a model loaded in this process."""
 
     def __init__(self, spec: ModelSpec, batching: Batching) -> None:
-        self.lm = spec.load()
+        self.lm = load(spec)
         self.batching = batching
 
     def loglikelihood(self, requests: list[TokenPair]) -> list[tuple[float, bool]]:

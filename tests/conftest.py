@@ -41,14 +41,14 @@ def offline_mmlu() -> None:
 
 @pytest.fixture(scope="session")
 def llama_path(tmp_path_factory) -> Path:
-    from worker.synthetic import write_model
+    from testbed.models import write_model
 
     return write_model(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama")
 
 
 @pytest.fixture(scope="session")
 def gpt2_path(tmp_path_factory) -> Path:
-    from worker.synthetic import write_model
+    from testbed.models import write_model
 
     return write_model(tmp_path_factory.mktemp("models") / "tiny-gpt2", arch="gpt2", heads=4)
 
@@ -60,7 +60,7 @@ def model_path(request, llama_path, gpt2_path) -> Path:
 
 @pytest.fixture(scope="session")
 def tasks_dir(tmp_path_factory) -> Path:
-    from driver.tasks import write_tasks
+    from testbed.tasks import write_tasks
 
     return write_tasks(tmp_path_factory.mktemp("tasks"))
 

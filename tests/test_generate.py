@@ -11,7 +11,7 @@ import pytest
 from worker.generate import GenRequest, generate, generate_tokens, stop_at, warp_logits
 from worker.hooks import Add, Capture
 from worker.load import load
-from worker.synthetic import write_model
+from testbed.models import write_model
 
 PROMPTS = [
     "The river and the king",
@@ -23,7 +23,7 @@ PROMPTS = [
 ]
 
 
-# Model folders come from conftest's session fixtures (worker.synthetic.write_model), loaded once here.
+# Model folders come from conftest's session fixtures (testbed.models.write_model), loaded once here.
 @pytest.fixture(scope="module")
 def llama(llama_path):
     return load(str(llama_path))

@@ -86,7 +86,7 @@ class Snapshot:
         return x
 
 
-@pytest.mark.parametrize("positions", ["all", "last", "prompt", "generated"])
+@pytest.mark.parametrize("positions", ["all", "last", "prompt", "continuation"])
 def test_right_padded_batch_positions_and_untouched_pads(lm, positions):
     """Rows of lengths 3, 6, 8 in one right-padded forward: each row's own positions change, pads never."""
     reqs = [([1, 5], [9]), ([1, 5, 6, 7, 8], [9]), ([1, 5, 6, 7, 8, 10, 11], [9])]
@@ -107,12 +107,12 @@ def test_right_padded_batch_positions_and_untouched_pads(lm, positions):
 
 
 def test_generation_layout_rows_mask():
-    """Left padding (generation): starts/ends/prompt_ends pick prompt vs generated tokens per row."""
+    """Left padding (generation): starts/ends/prompt_ends pick prompt vs continuation (generated) tokens per row."""
     rows = Rows(offset=0, starts=mx.array([2, 0]), ends=mx.array([6, 6]), prompt_ends=mx.array([4, 4]))
     m = lambda p: np.array(rows.mask(p, 2, 6)).astype(int).tolist()  # noqa: E731
     assert m("all") == [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
     assert m("prompt") == [[0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0]]
-    assert m("generated") == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]]
+    assert m("continuation") == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]]
     assert m("last") == [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1]]
     with pytest.raises(ValueError, match="unknown positions"):
         rows.mask("middle", 2, 6)

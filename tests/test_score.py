@@ -104,7 +104,7 @@ def test_qwen2_family_scores_like_its_plain_forward(tmp_path):
     """A third architecture (attention biases, qwen2 block): same kernel, same reference."""
     from mlx_lm.utils import load as mlx_load
 
-    from worker.synthetic import write_model
+    from testbed.models import write_model
 
     path = write_model(tmp_path / "qwen2", arch="qwen2")
     lm = load(str(path), max_length=96)

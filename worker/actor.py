@@ -11,7 +11,7 @@ import time
 import warnings
 from collections.abc import Sequence
 
-from .load import ModelLoadError, fingerprint
+from .load import ModelLoadError, fingerprint, load
 from .spec import Batching, ModelSpec
 
 
@@ -30,7 +30,7 @@ class Worker:
         self.restarted = restarted
         self.error: ModelLoadError | None = None
         try:
-            self.lm = spec.load()
+            self.lm = load(spec)
         except ModelLoadError as e:  # reported by facts(), so the driver prints the one-line message
             self.lm, self.error = None, e
 

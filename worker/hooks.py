@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-POSITIONS = ("all", "last", "prompt", "generated")
+POSITIONS = ("all", "prompt", "continuation", "last")
 HOOK_POINTS = ("resid_pre", "resid_post")
 
 
@@ -101,6 +101,11 @@ class HookManager:
     @property
     def active(self) -> bool:
         return bool(self._hooks)
+
+    @property
+    def splits_prompt(self) -> bool:
+        """Whether a registered hook treats prompt and continuation positions differently."""
+        return any(getattr(f, "positions", "all") in ("prompt", "continuation") for fs in self._hooks.values() for f in fs)
 
     @contextlib.contextmanager
     def forward(self, rows: Rows) -> Iterator[None]:

@@ -7,7 +7,15 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+from .hooks import HookManager, instrument
+from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 DEFAULT_MAX_LENGTH = 2048
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length")
@@ -20,14 +28,55 @@ class ModelLoadError(ValueError):
 
 
 @dataclass
+class Head:
+    """Split of a model into body (tokens -> final hidden states) and head (hidden -> logits).
+
+    Scoring needs logits only at the positions being scored; running the LM head on those rows alone
+    saves a [tokens x vocab] matmul per forward. `split` is False when the model does more than
+    `head(body(x))` (logit soft-capping, scaling...): then the full forward runs and rows are gathered.
+    """
+
+    body: Callable[..., "mx.array"]
+    head: Callable[["mx.array"], "mx.array"]
+    split: bool
+
+    @classmethod
+    def for_model(cls, model: "nn.Module") -> "Head":
+        import mlx.core as mx
+
+        full = cls(lambda x, cache=None: model(x, cache=cache), lambda h: h, False)
+        inner = getattr(model, "model", None)
+        if inner is None:
+            return full
+        if getattr(model, "lm_head", None) is not None and not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+            head = model.lm_head
+        else:
+            emb = getattr(inner, "embed_tokens", None) or getattr(inner, "wte", None)
+            if emb is None or not hasattr(emb, "as_linear"):
+                return full
+            head = emb.as_linear
+        split = cls(lambda x, cache=None: inner(x, cache=cache), head, True)
+        probe = mx.array([[1, 2, 3, 4]])
+        try:
+            same = mx.array_equal(split.head(split.body(probe)), model(probe)).item()
+        except Exception:
+            same = False
+        return split if same else full
+
+
+@dataclass
 class LoadedModel:
-    model: Any  # mlx.nn.Module, decoder blocks wrapped by worker.hooks.instrument
-    tokenizer: Any  # mlx_lm TokenizerWrapper; the worker only decodes with it (generation stop strings)
-    hooks: Any  # worker.hooks.HookManager
+    model: "nn.Module"  # decoder blocks wrapped by worker.hooks.instrument
+    tokenizer: "TokenizerWrapper"  # the worker only decodes with it (generation stop strings)
+    hooks: HookManager
     config: dict
     path: Path
     max_length: int
-    head: Any = field(repr=False)  # worker.score.Head: hidden states -> logits at chosen rows
+    head: Head = field(repr=False)  # hidden states -> logits at chosen rows
+
+    @property
+    def n_layers(self) -> int:
+        return self.hooks.n_layers
 
 
 def is_local(path_or_repo: str) -> bool:
@@ -117,31 +166,26 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load(
-    path_or_repo: str,
-    *,
-    adapter_path: str | None = None,
-    max_length: int | None = None,
-    dtype: str | None = None,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-) -> LoadedModel:
-    """Load model + tokenizer with mlx-lm, optionally cast, then wrap its decoder blocks with hooks."""
+def load(spec: ModelSpec | str, **settings: Any) -> LoadedModel:
+    """Load model + tokenizer with mlx-lm, optionally cast, then wrap its decoder blocks with hooks.
+
+    `load("path", max_length=64)` is short for `load(ModelSpec(model="path", max_length=64))`.
+    """
+    if isinstance(spec, str):
+        spec = ModelSpec(model=spec, **settings)
+    adapter_path, dtype = spec.adapter_path, spec.dtype
     if dtype is not None and dtype not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
-    path = resolve(path_or_repo, revision, adapter_path)
+    path = resolve(spec.model, spec.revision, adapter_path)
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
-
-    from .hooks import instrument
-    from .score import Head
 
     try:
         model, tokenizer, config = mlx_load(
             str(path),
             adapter_path=str(Path(adapter_path).expanduser()) if adapter_path else None,
             return_config=True,
-            trust_remote_code=trust_remote_code,
+            trust_remote_code=spec.trust_remote_code,
         )
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -150,4 +194,4 @@ def load(
         model.set_dtype(getattr(mx, dtype))
     model.eval()
     hooks = instrument(model)
-    return LoadedModel(model, tokenizer, hooks, config, path, context_window(config, max_length), Head.for_model(model))
+    return LoadedModel(model, tokenizer, hooks, config, path, context_window(config, spec.max_length), Head.for_model(model))

@@ -4,47 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import mlx.core as mx
 
 from .hooks import Rows
 from .spec import Batching
-
-
-@dataclass
-class Head:
-    """Split of a model into body (tokens -> final hidden states) and head (hidden -> logits).
-
-    Scoring needs logits only at the positions being scored; running the LM head on those rows alone
-    saves a [tokens x vocab] matmul per forward. `split` is False when the model does more than
-    `head(body(x))` (logit soft-capping, scaling...): then the full forward runs and rows are gathered.
-    """
-
-    body: Callable[..., mx.array]
-    head: Callable[[mx.array], mx.array]
-    split: bool
-
-    @classmethod
-    def for_model(cls, model: Any) -> "Head":
-        full = cls(lambda x, cache=None: model(x, cache=cache), lambda h: h, False)
-        inner = getattr(model, "model", None)
-        if inner is None:
-            return full
-        if getattr(model, "lm_head", None) is not None and not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
-            head = model.lm_head
-        else:
-            emb = getattr(inner, "embed_tokens", None) or getattr(inner, "wte", None)
-            if emb is None or not hasattr(emb, "as_linear"):
-                return full
-            head = emb.as_linear
-        split = cls(lambda x, cache=None: inner(x, cache=cache), head, True)
-        probe = mx.array([[1, 2, 3, 4]])
-        try:
-            same = mx.array_equal(split.head(split.body(probe)), model(probe)).item()
-        except Exception:
-            same = False
-        return split if same else full
 
 
 # --- requests -> rows -> families -------------------------------------------------------------------
@@ -54,10 +18,15 @@ MIN_SHARED_PREFIX = 32  # tokens; below this a separate prefix pass costs more t
 
 @dataclass
 class Row:
-    """One model input; scores the requests that share it (MMLU's A/B/C/D share one row)."""
+    """One model input; scores the requests that share it (MMLU's A/B/C/D share one row).
+
+    `prompt_end` is one past the last context token: positions from there on are continuation tokens fed as
+    input. Requests share a row only if they share it too whenever steering tells prompt from continuation.
+    """
 
     tokens: tuple[int, ...]
     requests: list[tuple[int, int, tuple[int, ...]]]  # (request index, first scored position, targets)
+    prompt_end: int
 
     @property
     def first_scored(self) -> int:
@@ -72,13 +41,16 @@ class Family:
     rows: list[Row]
 
 
-def _rows(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int) -> tuple[list[Row], dict[int, tuple[float, bool]]]:
+def _rows(
+    requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int, split_prompt: bool = False
+) -> tuple[list[Row], dict[int, tuple[float, bool]]]:
     """lm-eval HF semantics: input (ctx + cont)[-(max_length + 1):][:-1], score its last len(cont) positions.
 
     A continuation longer than the window keeps its last max_length tokens (HF refuses these). An empty
-    continuation scores (0.0, True): the sum over no tokens.
+    continuation scores (0.0, True): the sum over no tokens. With `split_prompt`, requests with the same input
+    but another context/continuation boundary get rows of their own.
     """
-    rows: dict[tuple[int, ...], Row] = {}
+    rows: dict[tuple, Row] = {}
     trivial: dict[int, tuple[float, bool]] = {}
     for i, (ctx, cont) in enumerate(requests):
         cont = tuple(map(int, cont))
@@ -89,7 +61,8 @@ def _rows(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: i
         n_scored = min(len(cont), len(inp))
         if n_scored == 0:
             raise ValueError(f"request {i} has no context token to condition on: give it a prefix (BOS/EOS) token")
-        row = rows.setdefault(inp, Row(inp, []))
+        prompt_end = len(inp) - min(len(cont) - 1, len(inp))
+        row = rows.setdefault((inp, prompt_end) if split_prompt else inp, Row(inp, [], prompt_end))
         row.requests.append((i, len(inp) - n_scored, cont[-n_scored:]))
     return list(rows.values()), trivial
 
@@ -216,7 +189,9 @@ def _score_batch(lm, batch: list[Row], prefix: int, cache: list | None):
     """One forward over right-padded rows; returns lazy per-request (sum logprob, all greedy) arrays."""
     width = max(len(r.tokens) for r in batch) - prefix
     padded = [list(r.tokens[prefix:]) + [0] * (width - len(r.tokens) + prefix) for r in batch]
-    rows = Rows(offset=prefix, ends=mx.array([len(r.tokens) for r in batch]))
+    rows = Rows(
+        offset=prefix, ends=mx.array([len(r.tokens) for r in batch]), prompt_ends=mx.array([r.prompt_end for r in batch])
+    )
     with lm.hooks.forward(rows):
         hidden = lm.head.body(mx.array(padded), cache=_broadcast(cache, len(batch)) if cache else None)
     # Gather the scored positions (and only those) before the LM head.
@@ -248,7 +223,7 @@ def loglikelihood(
 ) -> list[tuple[float, bool]]:
     """(sum of continuation logprobs, continuation is greedy) for token-level (context, continuation) pairs."""
     batching = batching or Batching()
-    rows, results = _rows(requests, lm.max_length)
+    rows, results = _rows(requests, lm.max_length, split_prompt=lm.hooks.splits_prompt)
 
     def collect(index, sums, misses) -> None:
         for i, s, m in zip(index, sums.tolist(), misses.tolist()):

@@ -1,8 +1,23 @@
-"""What a worker needs to load a model and score with it: plain data, shared by the driver and the actors."""
+"""What crosses from the driver to a worker: plain frozen data, no behaviour, no imports of the worker's code.
+
+`ModelSpec` decides which weights a worker holds, `Batching` how it cuts requests into forwards (never a
+number), `Steering` which interventions are active around one job (a number-changing input, so it travels with
+each call and is part of every result's cache key).
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import hashlib
+import json
+import math
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SITES = ("resid_pre", "resid_post")
+OPS = ("add", "replace", "ablate", "clamp")
+POSITIONS = ("all", "prompt", "continuation", "last")
 
 
 class ModelSpec(BaseModel):
@@ -17,18 +32,6 @@ class ModelSpec(BaseModel):
     max_length: int | None = Field(default=None, gt=1)
     trust_remote_code: bool = False
 
-    def load(self):
-        from .load import load
-
-        return load(
-            self.model,
-            adapter_path=self.adapter_path,
-            max_length=self.max_length,
-            dtype=self.dtype,
-            revision=self.revision,
-            trust_remote_code=self.trust_remote_code,
-        )
-
 
 class Batching(BaseModel):
     """How a worker cuts its requests into forward passes; never changes a number, only speed."""
@@ -38,3 +41,72 @@ class Batching(BaseModel):
     batch_size: int = Field(default=32, ge=1, description="most rows in one forward")
     max_batch_tokens: int = Field(default=8192, ge=1, description="most padded tokens in one forward")
     prefix_reuse: bool = Field(default=True, description="compute a prefix shared by many requests once")
+
+
+class Intervention(BaseModel):
+    """One edit of the residual stream at `site.layer`, at the selected positions of every row.
+
+    add: x + alpha*v · replace: x + alpha*(v - x) (alpha 1 replaces) · ablate: x - (x.u)u ·
+    clamp: x + (alpha - x.u)u, where u = v/|v|. `normalize` scales v to unit norm before any op.
+    `layer` may count from the end (-1: the last block); the worker resolves it against its model.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layer: int
+    site: Literal["resid_pre", "resid_post"] = "resid_post"
+    op: Literal["add", "replace", "ablate", "clamp"] = "add"
+    vector: tuple[float, ...] = Field(repr=False)
+    alpha: float = 1.0
+    positions: Literal["all", "prompt", "continuation", "last"] = "all"
+    normalize: bool = False
+
+    @field_validator("vector")
+    @classmethod
+    def _finite(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if not v:
+            raise ValueError("the vector is empty")
+        if not all(math.isfinite(x) for x in v):
+            raise ValueError("the vector holds NaN or inf values")
+        return v
+
+    @field_validator("alpha")
+    @classmethod
+    def _finite_alpha(cls, a: float) -> float:
+        if not math.isfinite(a):
+            raise ValueError(f"alpha must be a finite number, not {a}")
+        return a
+
+    def array(self) -> np.ndarray:
+        """The vector as float32, unit norm when `normalize` is set."""
+        v = np.asarray(self.vector, dtype=np.float32)
+        if self.normalize:
+            norm = float(np.linalg.norm(v))
+            if norm == 0.0:
+                raise ValueError(f"cannot normalize the all-zero vector of layer {self.layer}")
+            v = v / norm
+        return v
+
+    def vector_sha256(self) -> str:
+        return hashlib.sha256(np.asarray(self.vector, dtype=np.float32).tobytes()).hexdigest()
+
+
+class Steering(BaseModel):
+    """The interventions active around one job, applied in order; empty means the plain model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    interventions: tuple[Intervention, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.interventions)
+
+    def key(self) -> str:
+        """A digest of everything that changes a number (vectors by their float32 bytes); '' when empty."""
+        if not self.interventions:
+            return ""
+        rows = [{**i.model_dump(exclude={"vector"}), "vector": i.vector_sha256()} for i in self.interventions]
+        return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+
+
+NO_STEERING = Steering()

@@ -1,0 +1,2 @@
+"""Things that write test material, not part of the worker or the driver: random-weight models in HF layout
+(`testbed.models`) and small offline lm-eval tasks (`testbed.tasks`). Tests, benchmarks and `driver demo` use them."""
