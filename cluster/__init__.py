@@ -1,10 +1,16 @@
-"""Ray for Orchard: connect, find the `mlx` nodes, place one worker actor per node, describe the nodes."""
+"""Ray for Orchard: connect, find the `mlx` nodes, place one worker actor per node, its lifecycle, node facts."""
 
+from .actor import Pool, WorkerActor, revive, start, stop
 from .connect import LOCAL, ClusterError, Connection, connect
 from .facts import collect, mismatch
 from .place import RESOURCE, mlx_nodes, node_facts, parse_workers, place, worker_count
 
 __all__ = [
+    "Pool",
+    "WorkerActor",
+    "revive",
+    "start",
+    "stop",
     "LOCAL",
     "RESOURCE",
     "ClusterError",

@@ -47,7 +47,12 @@ def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bo
     import ray
 
     if ray.is_initialized():
-        return Connection(ray.get_runtime_context().gcs_address, embedded=False)
+        current = ray.get_runtime_context().gcs_address
+        if address not in (None, "auto", current):  # one process holds one Ray connection
+            if address != LOCAL and not address.startswith("ray://"):
+                _reachable(address)
+            raise ClusterError(f"this process is already connected to Ray at {current}: it cannot also join {address}")
+        return Connection(current, embedded=False)
     address = address or os.environ.get("RAY_ADDRESS") or LOCAL
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
     if address == LOCAL:

@@ -12,27 +12,45 @@ import json
 import sqlite3
 import struct
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from worker.spec import Job
 
 FILE = "results.sqlite"
 
 
-def identity(model: dict, steering: dict | None = None) -> bytes:
+def identity(model: dict) -> bytes:
     """A digest of everything about the model that changes a number (`model`: plain JSON-able facts)."""
-    blob = json.dumps({"model": model, "steering": steering or {}}, sort_keys=True)
-    return hashlib.blake2b(blob.encode(), digest_size=16).digest()
+    return hashlib.blake2b(json.dumps(model, sort_keys=True).encode(), digest_size=16).digest()
 
 
-def key(ident: bytes, kind: str, request: Any) -> bytes:
-    """Key of one request: `kind` "loglikelihood" takes (context_ids, continuation_ids); "generate" a GenRequest."""
+def _ids(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<I{len(tokens)}q", len(tokens), *tokens)
+
+
+def job_prefix(ident: bytes, job: Job) -> bytes:
+    """What every key of one job starts from: the model, the kind, the steering (vectors by hash), the points."""
     h = hashlib.blake2b(ident, digest_size=16)
-    h.update(kind.encode())
+    h.update(job.key().encode())
+    return h.digest()
+
+
+def key(prefix: bytes, kind: str, request: Any) -> bytes:
+    """Key of one request of a job, spelled out per kind:
+    loglikelihood (context_ids, continuation_ids) · generate a GenRequest · capture (token_ids, position)."""
+    h = hashlib.blake2b(prefix, digest_size=16)
     if kind == "loglikelihood":
         context, continuation = request
-        h.update(struct.pack(f"<{len(context)}q", *context) + b"|" + struct.pack(f"<{len(continuation)}q", *continuation))
+        h.update(_ids(context) + _ids(continuation))
+    elif kind == "generate":
+        h.update(json.dumps(asdict(request), sort_keys=True).encode())
+    elif kind == "capture":
+        tokens, position = request
+        h.update(_ids(tokens) + struct.pack("<q", position))
     else:
-        h.update(json.dumps(vars(request), sort_keys=True).encode())
+        raise ValueError(f"no cache key for request kind {kind!r}")
     return h.digest()
 
 

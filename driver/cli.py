@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,7 @@ def main() -> None:
 )
 @click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
 @click.option("--dashboard", is_flag=True, help="Start Ray's dashboard with the embedded Ray (off by default).")
+@click.option("--steer", default=None, help="Steering spec (YAML/JSON): interventions active for every request.")
 def run(
     model: str,
     tasks: str,
@@ -155,30 +157,27 @@ def run(
     cache: str | None,
     threads: int | None,
     dashboard: bool,
+    steer: str | None,
 ) -> None:
     """Evaluate MODEL on lm-eval TASKS with its requests spread over Ray workers.
 
     Prints lm-eval's table and writes lm-eval's results JSON (and samples) plus summary_*.json under OUTPUT_PATH.
     """
     start = time.monotonic()
-    seeds = _seeds(seed)
-    limit_value = _limit(limit)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    plan = Plan(
+        seeds=_seeds(seed),
+        limit=_limit(limit),
+        num_fewshot=num_fewshot,
+        batch_size=batch_size,
+        log_samples=log_samples,
+        apply_chat_template=apply_chat_template,
+        gen_kwargs=gen_kwargs,
+    )
+    _check_workers(workers)
+    plan.manager, plan.names = _task_manager(tasks, include_path)
     from lm_eval.utils import simple_parse_args_string
 
-    from cluster import ClusterError, parse_workers
-
-    try:
-        parse_workers(workers)
-    except ClusterError as e:
-        raise click.UsageError(str(e)) from None
-    import lm_eval
-    from lm_eval.loggers import EvaluationTracker
-    from lm_eval.utils import handle_non_serializable, make_table
-
-    from .ray_lm import MLXRayLM
-
-    manager, names = _task_manager(tasks, include_path)
     args: dict[str, Any] = {
         **simple_parse_args_string(model_args),
         "pretrained": model,
@@ -187,43 +186,102 @@ def run(
         "cache": cache or str(Path(output_path) / "cache"),
         "dashboard": dashboard,
     }
-    for name, value in (("address", address), ("max_length", max_length), ("threads", threads)):
+    for name, value in (("address", address), ("max_length", max_length), ("threads", threads), ("steer", steer)):
         if value is not None:
             args[name] = value
+    lm = open_model(args)
     try:
-        lm = MLXRayLM.create_from_arg_obj(args)
-    except ValueError as e:  # ModelLoadError, bad model_args
+        done = evaluate(lm, args, plan, output_path)
+    finally:
+        lm.executor.close()
+    save(done, output_path, time.monotonic() - start)
+
+
+def _check_workers(workers: str) -> None:
+    from cluster import ClusterError, parse_workers
+
+    try:
+        parse_workers(workers)
+    except ClusterError as e:
+        raise click.UsageError(str(e)) from None
+
+
+@dataclass
+class Plan:
+    """How lm-eval runs the tasks: everything `simple_evaluate` takes besides the model."""
+
+    seeds: dict[str, int | None]
+    limit: float | int | None = None
+    num_fewshot: int | None = None
+    batch_size: str = "32"
+    log_samples: bool = False
+    apply_chat_template: bool = False
+    gen_kwargs: str | None = None
+    manager: Any = None
+    names: list[str] = field(default_factory=list)
+
+
+def open_model(args: dict[str, Any]):
+    """The `mlx-ray` lm-eval model, workers started; bad settings and cluster problems as one-line errors."""
+    from cluster import ClusterError
+
+    from .ray_lm import MLXRayLM
+
+    try:
+        return MLXRayLM.create_from_arg_obj(args)
+    except ValueError as e:  # ModelLoadError, SteeringError, bad model_args
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
     except ClusterError as e:
         raise click.ClickException(str(e)) from None
+
+
+@dataclass
+class Evaluation:
+    results: dict  # what simple_evaluate returned
+    info: dict  # the executor's facts: workers, requests per worker, seconds
+    tracker: Any  # lm-eval's EvaluationTracker, which knows where and how to write the results
+
+
+def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Evaluation:
+    """lm-eval's `simple_evaluate` on an open model (a sweep calls this once per steering configuration)."""
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+
+    from cluster import ClusterError
+
     tracker = EvaluationTracker(output_path=output_path)
     try:
         results = lm_eval.simple_evaluate(
             model=lm,
-            model_args=args,
-            tasks=names,
-            num_fewshot=num_fewshot,
-            batch_size=batch_size,
-            limit=limit_value,
-            log_samples=log_samples,
+            model_args=model_args,
+            tasks=plan.names,
+            num_fewshot=plan.num_fewshot,
+            batch_size=plan.batch_size,
+            limit=plan.limit,
+            log_samples=plan.log_samples,
             evaluation_tracker=tracker,
-            apply_chat_template=apply_chat_template,
-            gen_kwargs=gen_kwargs,
-            task_manager=manager,
+            apply_chat_template=plan.apply_chat_template,
+            gen_kwargs=plan.gen_kwargs,
+            task_manager=plan.manager,
             verbosity="WARNING",
-            **seeds,
+            **plan.seeds,
         )
-        info = lm.executor.info()
     except ClusterError as e:
         raise click.ClickException(str(e)) from None
-    finally:
-        lm.executor.close()
     results["config"]["model"] = "mlx-ray"
+    return Evaluation(results, lm.executor.info(), tracker)
+
+
+def save(done: Evaluation, output_path: str, seconds: float) -> Path:
+    """Write lm-eval's results JSON (and samples) and Orchard's summary; print the tables. Returns the folder."""
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    results, tracker = dict(done.results), done.tracker
     samples = results.pop("samples", None)
     tracker.save_results_aggregated(results=results, samples=samples)
     for task in results["configs"] if samples else ():
         tracker.save_results_samples(task_name=task, samples=samples[task])
-    summary = _summary(info, time.monotonic() - start)
+    summary = _summary(done.info, seconds)
     folder = Path(output_path) / tracker.general_config_tracker.model_name_sanitized
     (folder / f"summary_{tracker.date_id}.json").write_text(json.dumps(summary, indent=2, default=handle_non_serializable))
     click.echo(make_table(results))
@@ -231,6 +289,7 @@ def run(
         click.echo(make_table(results, "groups"))
     _print_summary(summary)
     click.echo(f"results: {folder}")
+    return folder
 
 
 @main.command()
@@ -273,7 +332,70 @@ def demo(ctx: click.Context, workers: int, folder: str) -> None:
         batch_size="8",
         model_args="max_batch_tokens=512",
         threads=1,
+        steer=None,
     )
+
+
+@main.command()
+@click.option("--model", "model", required=True, help="Local model folder or Hugging Face repo id (mlx-lm format).")
+@click.option("--pairs", required=True, help='JSONL of contrastive pairs: {"positive": ..., "negative": ...} (+ optional "prompt").')
+@click.option("--layers", default="all", show_default=True, help="Comma-separated layers (negative: from the end), or all.")
+@click.option("--site", type=click.Choice(["resid_pre", "resid_post"]), default="resid_post", show_default=True)
+@click.option("--method", type=click.Choice(["mean-diff", "pca-diff", "pca-center"]), default="mean-diff", show_default=True)
+@click.option("--position", default="last", show_default=True, help="Token whose activations are read: last, or an index (-2: second to last).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The .safetensors file to write.")
+@click.option("--workers", default="all", show_default=True, help="Number of workers (one per `mlx` node), or all.")
+@click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
+@click.option("--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16.")
+@click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
+def vectors(
+    model: str, pairs: str, layers: str, site: str, method: str, position: str, out: str, workers: str,
+    address: str | None, model_args: str, threads: int | None,
+) -> None:  # fmt: skip
+    """Extract steering vectors from contrastive PAIRS: one per layer, written to OUT (usable as a spec's `vector`).
+
+    Every pair's two texts run on the workers; the activations at POSITION are combined in a fixed order
+    (mean difference by default), so the vectors do not depend on the number of workers.
+    """
+    from lm_eval.utils import simple_parse_args_string
+
+    from . import vectors as vec
+
+    from .lm import model_config
+    from .steer import model_shape
+
+    start = time.monotonic()
+    _check_workers(workers)
+    args = {**simple_parse_args_string(model_args), "pretrained": model, "workers": workers}
+    try:  # everything that can be checked before a worker starts
+        read, at = vec.read_pairs(pairs), vec.parse_position(position)
+        resolved = vec.parse_layers(layers, model_shape(model_config(model, args.get("revision")))[0])
+    except ValueError as e:
+        raise click.ClickException(str(e).strip().splitlines()[0]) from None
+    for name, value in (("address", address), ("threads", threads)):
+        if value is not None:
+            args[name] = value
+    lm = open_model(args)
+    try:
+        capture = lambda requests, points: lm.executor.run(lm.job("capture", points=tuple(points)), requests)  # noqa: E731
+        found = vec.extract(capture, lm.tok_encode, read, resolved, site, method, at)
+        info = lm.executor.info()
+    except ValueError as e:
+        raise click.ClickException(str(e).strip().splitlines()[0]) from None
+    finally:
+        lm.executor.close()
+    meta = vec.metadata(
+        model, method, site, at, read, weights=lm.identity["files"], pairs_file_sha256=_sha256(pairs), layers=",".join(map(str, resolved))
+    )
+    vec.write_vectors(out, found, meta)
+    seconds = time.monotonic() - start
+    click.echo(f"{len(found)} vectors from {len(read)} pairs on {info['workers']} workers in {seconds:.1f} s: {out}")
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 @main.command()

@@ -20,16 +20,18 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from worker.generate import GenRequest, truncate
+from worker.jobs import run
 from worker.load import context_window, fingerprint, is_local, load, resolve
-from worker.spec import Batching, ModelSpec
+from worker.spec import NO_STEERING, Batching, Job, ModelSpec, Steering
+
+from .steer import check, load_steering, model_shape
 
 TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
 _TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
 class Executor(Protocol):
-    def loglikelihood(self, requests: list[TokenPair]) -> list[tuple[float, bool]]: ...
-    def generate(self, requests: list[GenRequest]) -> list[str]: ...
+    def run(self, job: Job, requests: list) -> list: ...
     def info(self) -> dict: ...
     def close(self) -> None: ...
 
@@ -41,15 +43,8 @@ class LocalExecutor:
         self.lm = load(spec)
         self.batching = batching
 
-    def loglikelihood(self, requests: list[TokenPair]) -> list[tuple[float, bool]]:
-        from worker.score import loglikelihood
-
-        return loglikelihood(self.lm, requests, self.batching)
-
-    def generate(self, requests: list[GenRequest]) -> list[str]:
-        from worker.generate import generate
-
-        return generate(self.lm, requests, batch_size=self.batching.batch_size)
+    def run(self, job: Job, requests: list) -> list:
+        return run(self.lm, job, requests, self.batching)
 
     def info(self) -> dict:
         return {"executor": "local", "head_split": self.lm.head.split}
@@ -77,6 +72,11 @@ def tokenizer_folder(model: str, revision: str | None) -> Path:
     return Path(_download(model, revision=revision, allow_patterns=_TOKENIZER_FILES))
 
 
+def model_config(model: str, revision: str | None = None) -> dict:
+    """The model's config.json, read without loading weights (a Hub model: its small files only)."""
+    return json.loads((tokenizer_folder(model, revision) / "config.json").read_text())
+
+
 class OrchardLM(TemplateLM):
     """lm-eval glue shared by `mlx` and `mlx-ray`; subclasses choose the executor."""
 
@@ -92,8 +92,10 @@ class OrchardLM(TemplateLM):
         prefix_reuse: bool | str = True,
         max_gen_toks: int | str = 256,
         trust_remote_code: bool | str = False,
+        steer: str | dict | Steering | None = None,
         **kwargs: Any,
     ) -> None:
+        """`steer`: a steering spec (YAML/JSON file, dict or Steering) active for every request of this model."""
         super().__init__()
         from transformers import AutoTokenizer
 
@@ -120,6 +122,11 @@ class OrchardLM(TemplateLM):
         self.generation_defaults = json.loads(gen_config.read_text()) if gen_config.exists() else {}
         self._max_length = context_window(config, self.spec.max_length)
         self.max_gen_toks = int(max_gen_toks)
+        self.steering, self.steering_record = NO_STEERING, None
+        if steer is not None and steer != "":
+            loaded = load_steering(steer)  # checked against the model before any worker starts
+            self.steering = check(loaded.steering, *model_shape(config))
+            self.steering_record = {**loaded.record, "key": self.steering.key(), "resolved_layers": [i.layer for i in self.steering.interventions]}
         self.identity = {
             "model": self.spec.model,
             "revision": self.spec.revision,
@@ -176,9 +183,13 @@ class OrchardLM(TemplateLM):
 
     # --- requests --------------------------------------------------------------------------------
 
+    def job(self, kind: str, **extra: Any) -> Job:
+        """A job of this model's steering (every request lm-eval sends is steered the same way)."""
+        return Job(kind=kind, steering=self.steering, **extra)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         pairs = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
-        results = self.executor.loglikelihood(pairs)
+        results = self.executor.run(self.job("loglikelihood"), pairs)
         for (key, _, _), answer in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -200,7 +211,7 @@ class OrchardLM(TemplateLM):
                 windows.append((tuple(ctx), tuple(cont)))
                 owners.append(n)
         totals = [0.0] * len(requests)
-        for n, (logprob, _) in zip(owners, self.executor.loglikelihood(windows)):
+        for n, (logprob, _) in zip(owners, self.executor.run(self.job("loglikelihood"), windows)):
             totals[n] += logprob
         for r, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
@@ -234,13 +245,14 @@ class OrchardLM(TemplateLM):
             key = json.dumps([context, gen_kwargs], sort_keys=True, default=str)
             gen_requests.append(self.generation_request(context, gen_kwargs, seen[key]))
             seen[key] += 1
-        outputs = self.executor.generate(gen_requests)
+        outputs = self.executor.run(self.job("generate"), gen_requests)
         for r, text in zip(requests, outputs):
             self.cache_hook.add_partial("generate_until", r.args, text)
         return outputs
 
     def get_model_info(self) -> dict:
-        return {"orchard": {**self.identity, **self.batching.model_dump(), **self.executor.info()}}
+        info = {**self.identity, **self.batching.model_dump(), **self.executor.info()}
+        return {"orchard": {**info, "steering": self.steering_record}}
 
 
 @register_model("mlx")

@@ -11,51 +11,34 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter
-from typing import Any
 
+import numpy as np
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from cluster import ClusterError, connect, mismatch, parse_workers, place, worker_count
-from worker.generate import GenRequest
-from worker.load import ModelLoadError
-from worker.spec import Batching, ModelSpec
+from cluster import ClusterError, Pool, WorkerActor, connect, parse_workers, start, stop, worker_count
+from worker.score import families
+from worker.spec import Batching, Job, ModelSpec
 
-from .cache import Cache, identity, key
-from .lm import OrchardLM, TokenPair, _bool
-from .schedule import Merge, Pool, WorkersLost, cut, dispatch
-
-
-def _start(actors: list) -> list[dict]:
-    """Wait for every worker to load its model; its facts, or the one-line reason it could not."""
-    import ray
-    from ray.exceptions import RayActorError, RayTaskError
-
-    try:
-        return ray.get([a.facts.remote() for a in actors])
-    except RayTaskError as e:
-        if isinstance(e.cause, ModelLoadError):
-            raise ModelLoadError(str(e.cause)) from None
-        raise
-    except RayActorError as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ClusterError(f"a worker died while starting: {first}") from None
+from .cache import Cache, identity, job_prefix, key
+from .lm import OrchardLM, _bool
+from .schedule import Merge, WorkersLost, cut, dispatch
 
 
 def _shutdown(actors: list, cache: Cache | None, connection) -> None:
-    import ray
-
-    if ray.is_initialized() and actors:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        ray.wait([a.facts.remote() for a in actors], num_returns=len(actors), timeout=10)  # dead: `mlx` units free
+    stop(actors)
     if cache is not None:
         cache.close()
     connection.close()
 
 
+# Results as the cache stores them (JSON) and back: capture arrays travel as nested lists.
+_TO_CACHE = {"capture": lambda a: a.tolist()}
+_FROM_CACHE = {"capture": lambda v: np.asarray(v, dtype=np.float32)}
+
+
 class RayExecutor:
-    """Token-level requests sharded over worker actors: cached results skipped, new ones merged and cached."""
+    """Token-level jobs sharded over worker actors: cached results skipped, new ones merged and cached."""
 
     def __init__(
         self,
@@ -70,62 +53,57 @@ class RayExecutor:
         dashboard: bool = False,
         threads: int | None = None,
         max_restarts: int = 3,
-        delays: list[float] | None = None,
-        crash_after: list[int | None] | None = None,
+        actor_cls: type = WorkerActor,
     ):
         """`threads` caps BLAS/OpenMP threads per worker (several workers on one machine); a crashed worker is
-        restarted up to `max_restarts` times. `delays` (seconds per chunk) and `crash_after` (chunks before the
-        process crashes, once) are per-worker test knobs."""
-        from worker.actor import Worker
-
+        restarted up to `max_restarts` times. `actor_cls` is the actor class to place (tests pass a subclass)."""
         requested = parse_workers(workers)
         self.connection = connect(address, local_workers=1 if requested == "all" else requested, dashboard=dashboard)
-        self.actors: list = []
         try:
             n = worker_count(requested)
-            delays, crash_after = delays or [0.0] * n, crash_after or [None] * n
-            knobs = [
-                {"delay": float(delays[i] or 0), "exit_after": None if crash_after[i] is None else int(crash_after[i])}
-                for i in range(n)
-            ]
-            self.actors = place(Worker, n, spec, batching, max_restarts=max_restarts, threads=threads, per_worker=knobs)
-            self.facts = _start(self.actors)
-            problem = mismatch(self.facts)
-            if problem:
-                raise ClusterError(problem)
+            self.actors, self.facts = start(
+                spec, batching, n, actor_cls=actor_cls, threads=threads, max_restarts=max_restarts
+            )
         except BaseException:
-            _shutdown(self.actors, None, self.connection)
+            self.connection.close()
             raise
         self.batching, self.max_length = batching, max_length
         self.ident = identity({**model_identity, "weights": self.facts[0]["model_files"]})
         self.cache = Cache(cache_dir) if cache_dir else None
         self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(self.facts)]
-        self.pool = Pool(self.actors, revive=lambda actor: actor.facts.options(max_task_retries=-1).remote())
+        self.pool = Pool(self.actors)
         self.done: Counter = Counter()  # requests computed, per worker name
         self.cached = 0
         self.seconds = 0.0
         self._finalizer = weakref.finalize(self, _shutdown, self.actors, self.cache, self.connection)
 
-    def loglikelihood(self, requests: list[TokenPair]) -> list[tuple[float, bool]]:
-        from worker.score import families
+    def _plan(self, kind: str, requests: list) -> tuple[list[int], list[list[int]]]:
+        """Token cost per request, and the groups a chunk must keep whole (shared inputs and prefixes)."""
+        if kind == "loglikelihood":
+            costs = [min(len(c) + len(x), self.max_length) for c, x in requests]
+            return costs, families(requests, self.max_length, self.batching.prefix_reuse)
+        if kind == "generate":
+            costs = [min(len(r.context), self.max_length) + r.max_gen_toks for r in requests]
+        else:
+            costs = [min(len(tokens), self.max_length) for tokens, _ in requests]
+        return costs, [[i] for i in range(len(requests))]
 
-        costs = [min(len(c) + len(x), self.max_length) for c, x in requests]
-        groups = families(requests, self.max_length, self.batching.prefix_reuse)
-        return [tuple(r) for r in self._run("loglikelihood", requests, costs, groups)]
+    def _from_cache(self, kind: str, merge: Merge, keys: list[bytes]) -> None:
+        hits = self.cache.get(keys)
+        found = [i for i, k in enumerate(keys) if k in hits]
+        decode = _FROM_CACHE.get(kind, lambda v: v)
+        merge.add(found, [decode(hits[keys[i]]) for i in found])
+        self.cached += len(found)
 
-    def generate(self, requests: list[GenRequest]) -> list[str]:
-        costs = [min(len(r.context), self.max_length) + r.max_gen_toks for r in requests]
-        return self._run("generate", requests, costs, [[i] for i in range(len(requests))])
-
-    def _run(self, kind: str, requests: list, costs: list[int], groups: list[list[int]]) -> list:
-        start = time.monotonic()
-        merge = Merge(len(requests))
-        keys = [key(self.ident, kind, r) for r in requests] if self.cache is not None else []
+    def run(self, job: Job, requests: list) -> list:
+        start_time = time.monotonic()
+        kind, merge = job.kind, Merge(len(requests))
+        costs, groups = self._plan(kind, requests)
+        keys: list[bytes] = []
         if self.cache is not None:
-            hits = self.cache.get(keys)
-            found = [i for i, k in enumerate(keys) if k in hits]
-            merge.add(found, [hits[keys[i]] for i in found])
-            self.cached += len(found)
+            prefix = job_prefix(self.ident, job)
+            keys = [key(prefix, kind, r) for r in requests]
+            self._from_cache(kind, merge, keys)
         todo = merge.filled
         groups = [g for g in ([i for i in g if not todo[i]] for g in groups) if g]
         chunks = cut(
@@ -136,20 +114,17 @@ class RayExecutor:
             min_tokens=max(1, self.batching.max_batch_tokens // 8),
         )
         bar = tqdm(total=len(requests), initial=merge.count, unit="req", desc=f"{kind} on {len(self.pool.alive)} workers")
+        encode = _TO_CACHE.get(kind, lambda v: v)
 
         def submit(actor, c: int):
-            return getattr(actor, kind).remote(chunks[c], [requests[i] for i in chunks[c]])
+            return actor.run.remote(job, chunks[c], [requests[i] for i in chunks[c]])
 
         def on_result(w: int, c: int, value: tuple[list[int], list]) -> None:
             indices, results = value
             merge.add(indices, results)
             if self.cache is not None:
-                self.cache.put((keys[i], r) for i, r in zip(indices, results))
-            self.done[self.names[w]] += len(indices)
-            total = sum(self.done.values())
-            shares = (f"{name.split('@')[0]} {self.done[name] / total:.0%}" for name in self.names)
-            bar.set_postfix_str(" ".join(shares), refresh=False)
-            bar.update(len(indices))
+                self.cache.put((keys[i], encode(r)) for i, r in zip(indices, results))
+            self._progress(bar, w, len(indices))
 
         try:
             dispatch(chunks, [sum(costs[i] for i in ch) for ch in chunks], self.pool, submit, on_result)
@@ -162,8 +137,15 @@ class RayExecutor:
             raise ClusterError(f"{e}: {merge.count} of {len(requests)} {kind} requests finished; {kept}") from None
         finally:
             bar.close()
-            self.seconds += time.monotonic() - start
+            self.seconds += time.monotonic() - start_time
         return merge.result()
+
+    def _progress(self, bar: tqdm, w: int, n: int) -> None:
+        self.done[self.names[w]] += n
+        total = sum(self.done.values())
+        shares = (f"{name.split('@')[0]} {self.done[name] / total:.0%}" for name in self.names)
+        bar.set_postfix_str(" ".join(shares), refresh=False)
+        bar.update(n)
 
     def info(self) -> dict:
         seconds = self.seconds or 1e-9
@@ -185,18 +167,12 @@ class RayExecutor:
         self._finalizer()
 
 
-def _list(value: Any) -> list | None:
-    """A per-worker list from model_args: a list, or a string such as "0:0:0.05" (commas split model_args)."""
-    if value is None or isinstance(value, list):
-        return value
-    return [None if v in ("", "none") else v for v in str(value).split(":")]
-
-
 @register_model("mlx-ray")
 class MLXRayLM(OrchardLM):
     """`mlx` plus workers (a count or "all"), address (auto | HOST:PORT | local), cache (a folder), threads,
-    max_restarts and dashboard (embedded Ray only). Test knobs: delays and crash_after, per-worker lists (or
-    strings such as "0:0:0.5", as commas separate model_args)."""
+    max_restarts and dashboard (embedded Ray only)."""
+
+    actor_cls: type = WorkerActor  # the actor class placed on each node
 
     def _init_extra(self, kwargs: dict) -> None:
         self.ray_args = {
@@ -204,8 +180,6 @@ class MLXRayLM(OrchardLM):
             "address": kwargs.pop("address", None),
             "cache_dir": kwargs.pop("cache", None),
             "dashboard": _bool(kwargs.pop("dashboard", False)),
-            "delays": _list(kwargs.pop("delays", None)),
-            "crash_after": _list(kwargs.pop("crash_after", None)),
         }
         for name in ("threads", "max_restarts"):
             if kwargs.get(name) not in (None, ""):
@@ -214,4 +188,6 @@ class MLXRayLM(OrchardLM):
         super()._init_extra(kwargs)
 
     def make_executor(self, spec: ModelSpec, batching: Batching) -> RayExecutor:
-        return RayExecutor(spec, batching, model_identity=self.identity, max_length=self.max_length, **self.ray_args)
+        return RayExecutor(
+            spec, batching, model_identity=self.identity, max_length=self.max_length, actor_cls=self.actor_cls, **self.ray_args
+        )

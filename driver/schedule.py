@@ -11,7 +11,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster import Pool
 
 PER_WORKER = 8  # a chunk's budget is at most 1/(PER_WORKER * workers) of the tokens left to cut
 
@@ -82,40 +85,10 @@ class Merge:
         return self.values
 
 
-class Pool:
-    """The workers of a run, across dispatch calls: which are alive, and which Ray is restarting.
-
-    `revive(worker)` returns a Ray object ref that completes once a lost worker is back (its model reloaded),
-    or fails if it is gone for good.
-    """
-
-    def __init__(self, workers: Sequence[Any], revive: Callable[[Any], Any]):
-        self.workers = list(workers)
-        self.revive = revive
-        self.alive = set(range(len(self.workers)))
-        self.reviving: dict[Any, int] = {}  # ref -> worker index
-
-    def lost(self, w: int) -> None:
-        if w in self.alive:
-            self.alive.discard(w)
-            self.reviving[self.revive(self.workers[w])] = w
-
-    def back(self, ref: Any) -> None:
-        import ray
-        from ray.exceptions import RayActorError
-
-        w = self.reviving.pop(ref)
-        try:
-            ray.get(ref)
-            self.alive.add(w)
-        except RayActorError:
-            pass  # gone for good
-
-
 def dispatch(
     chunks: Sequence[Sequence[int]],
     costs: Sequence[float],
-    pool: Pool,
+    pool: "Pool",
     submit: Callable[[Any, int], Any],
     on_result: Callable[[int, int, Any], None],
     *,

@@ -71,3 +71,24 @@ def stories_path() -> Path:
     if not (path / "config.json").exists():
         pytest.skip("../shared/models/stories260K is absent")
     return path
+
+
+NODE = {"num_cpus": 1, "resources": {"mlx": 1}, "node_ip_address": "127.0.0.1"}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Four loopback Ray nodes offering {"mlx": 1} each, like four Macs; this process is connected to it."""
+    import logging
+
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    for _ in range(3):
+        c.add_node(**NODE)
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level=logging.WARNING)
+    yield c
+    ray.shutdown()
+    c.shutdown()

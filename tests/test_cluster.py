@@ -1,12 +1,11 @@
 """Real Ray on loopback: a 4-node cluster on this machine, each node offering {"mlx": 1} like a Mac.
 
-One cluster serves the whole module. Each test builds its own workers and closes them, so the four `mlx`
-units are free again for the next test.
+One cluster (conftest's `ray_cluster`) serves the session. Each test builds its own workers and closes them,
+so the four `mlx` units are free again for the next test.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sqlite3
@@ -22,31 +21,19 @@ import lm_eval  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from ray import cloudpickle  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 import cluster as orchard_cluster  # noqa: E402
 from driver.cli import main  # noqa: E402
+from cluster import Pool, WorkerActor  # noqa: E402
 from driver.ray_lm import MLXRayLM  # noqa: E402
-from driver.schedule import Pool, WorkersLost, dispatch  # noqa: E402
+from driver.schedule import WorkersLost, dispatch  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
 
 TASKS = ["orchard_mc", "orchard_ppl", "orchard_gen"]
 MC = ["orchard_mc"]  # 48 loglikelihood requests: enough chunks for the fault tests
 MODEL_ARGS = {"max_length": 64, "batch_size": 4, "max_batch_tokens": 128}  # small chunks: many per run
-NODE = {"num_cpus": 1, "resources": {"mlx": 1}, "node_ip_address": "127.0.0.1"}
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
-    for _ in range(3):
-        c.add_node(**NODE)
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level=logging.WARNING)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+from conftest import NODE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +53,34 @@ def evaluate(model, model_args, manager, names=TASKS):
     )
 
 
-def run_ray(llama_path, manager, names=TASKS, **args):
+class Flaky(WorkerActor):
+    """A real worker that is slow, or crashes its process once, according to its rank (see `flaky`)."""
+
+    delays: dict = {}
+    crash_after: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chunks = 0
+
+    def run(self, job, indices, requests):
+        self.chunks += 1
+        limit = self.crash_after.get(self.rank)
+        if limit is not None and not self.restarted and self.chunks > limit:
+            os._exit(1)  # a crash, as when a Mac's process is killed: Ray restarts the actor
+        time.sleep(self.delays.get(self.rank, 0.0))
+        return super().run(job, indices, requests)
+
+
+def flaky(delays=None, crash_after=None):
+    """An `mlx-ray` model class whose workers sleep `delays[rank]` s per chunk / crash after `crash_after[rank]` chunks."""
+    actor = type("Flaky", (Flaky,), {"delays": dict(delays or {}), "crash_after": dict(crash_after or {})})
+    return type("FlakyRayLM", (MLXRayLM,), {"actor_cls": actor})
+
+
+def run_ray(llama_path, manager, names=TASKS, model=MLXRayLM, **args):
     """simple_evaluate with a fresh `mlx-ray` model; returns (results, executor info). Always frees the workers."""
-    lm = MLXRayLM.create_from_arg_obj({"pretrained": str(llama_path), **MODEL_ARGS, **args})
+    lm = model.create_from_arg_obj({"pretrained": str(llama_path), **MODEL_ARGS, **args})
     try:
         return evaluate(lm, None, manager, names), lm.executor.info()
     finally:
@@ -186,7 +198,7 @@ def test_results_match_in_process_model(ray_cluster, llama_path, tasks, referenc
 
 
 def test_a_worker_crash_mid_run_loses_nothing(ray_cluster, llama_path, tasks, reference):
-    lm = MLXRayLM.create_from_arg_obj({"pretrained": str(llama_path), **MODEL_ARGS, "workers": 4, "crash_after": "::1:"})
+    lm = flaky(crash_after={2: 1}).create_from_arg_obj({"pretrained": str(llama_path), **MODEL_ARGS, "workers": 4})
     try:
         assert_same(evaluate(lm, None, tasks, MC), reference, MC)
         restarted = ray.get(lm.executor.actors[2].facts.options(max_task_retries=-1).remote())  # back, model reloaded
@@ -227,7 +239,7 @@ def test_a_node_removed_mid_run_loses_nothing(ray_cluster, llama_path, tasks, re
 
     thread = _when_cache_has_rows(tmp_path, power_cut)
     try:
-        ours, info = run_ray(llama_path, tasks, MC, workers=4, cache=str(tmp_path), delays=[0.5] * 4)
+        ours, info = run_ray(llama_path, tasks, MC, flaky(delays=dict.fromkeys(range(4), 0.5)), workers=4, cache=str(tmp_path))
     finally:
         thread.join(timeout=60)
         ray_cluster.add_node(**NODE)
@@ -239,7 +251,7 @@ def test_a_node_removed_mid_run_loses_nothing(ray_cluster, llama_path, tasks, re
 
 
 def test_fast_workers_take_more_chunks(ray_cluster, llama_path, tasks):
-    _, info = run_ray(llama_path, tasks, MC, workers=2, delays=[0, 0.5])
+    _, info = run_ray(llama_path, tasks, MC, flaky(delays={1: 0.5}), workers=2)
     fast, slow = (info["requests_computed"].get(f"w{i}@{info['facts'][i]['hostname']}", 0) for i in range(2))
     assert fast > 2 * slow, (fast, slow)
 
@@ -248,7 +260,7 @@ def test_interrupted_run_resumes_from_the_cache(ray_cluster, llama_path, tasks, 
     main_thread = threading.main_thread().ident
     thread = _when_cache_has_rows(tmp_path, lambda: signal.pthread_kill(main_thread, signal.SIGINT))
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C mid-run
-        run_ray(llama_path, tasks, MC, workers=2, cache=str(tmp_path), delays=[0.3, 0.3])
+        run_ray(llama_path, tasks, MC, flaky(delays={0: 0.3, 1: 0.3}), workers=2, cache=str(tmp_path))
     thread.join()
     finished = _rows(tmp_path)
     assert 0 < finished < 48
@@ -260,7 +272,7 @@ def test_interrupted_run_resumes_from_the_cache(ray_cluster, llama_path, tasks, 
 
 def test_losing_every_worker_is_a_clear_error_and_keeps_finished_work(ray_cluster, llama_path, tasks, tmp_path):
     with pytest.raises(orchard_cluster.ClusterError, match=r"every worker is lost: \d+ of 48 loglikelihood requests finished; they are cached"):
-        run_ray(llama_path, tasks, MC, workers=2, cache=str(tmp_path), max_restarts=0, crash_after=[2, 3])
+        run_ray(llama_path, tasks, MC, flaky(crash_after={0: 2, 1: 3}), workers=2, cache=str(tmp_path), max_restarts=0)
     assert _rows(tmp_path) > 0
 
 

@@ -8,10 +8,11 @@ import pytest
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import load as mlx_load
 
-from worker.hooks import Add, Capture, Replace, Rows, instrument
+from worker.hooks import Capture, Rows, instrument
 from worker.load import load
 from worker.score import loglikelihood
 from worker.spec import Batching
+from worker.steer import Add, Replace
 
 TOKENS = [[1, 17, 33, 250, 9, 71, 400, 12]]
 

@@ -7,7 +7,8 @@ the block's own output array is returned as is: the instrumented model is bitwis
 
 Kernels describe the rows of each forward with a `Rows` (where each row's real tokens, and its prompt,
 begin and end in the padded layout); interventions turn it into position masks, so "last" is each row's
-own last real token and pad positions are never changed.
+own last real token and pad positions are never changed. This module is the mechanism (hook points, Rows,
+Capture); the steering ops live in `worker.steer`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class Rows:
 Hook = Callable[[mx.array, "HookContext"], mx.array]
 
 
+class HookError(RuntimeError):
+    """A hook that cannot do what it was installed for; the message names the hook point and the architecture."""
+
+
 @dataclass
 class HookContext:
     name: str
@@ -68,12 +73,19 @@ class HookContext:
 
 
 class HookManager:
-    """Named hook lists; kernels set `rows` around each forward with `manager.forward(rows)`."""
+    """Named hook lists; kernels set `rows` around each forward with `manager.forward(rows)`.
 
-    def __init__(self, n_layers: int) -> None:
+    `arch` names the model's architecture in errors. The manager counts forwards and, per hook point, the
+    calls that ran its hooks, so `installed` can tell a hook that never ran from one that did.
+    """
+
+    def __init__(self, n_layers: int, arch: str = "model") -> None:
         self.n_layers = n_layers
+        self.arch = arch
         self._hooks: dict[str, list[Hook]] = {}
         self.rows = Rows()
+        self._forwards = 0
+        self._runs: dict[str, int] = {}
 
     def check_name(self, name: str) -> None:
         point, _, layer = name.rpartition(".")
@@ -110,6 +122,7 @@ class HookManager:
     @contextlib.contextmanager
     def forward(self, rows: Rows) -> Iterator[None]:
         previous, self.rows = self.rows, rows
+        self._forwards += 1
         try:
             yield
         finally:
@@ -117,18 +130,38 @@ class HookManager:
 
     @contextlib.contextmanager
     def installed(self, interventions: Sequence[tuple[str, Hook]]) -> Iterator[None]:
-        """Register (name, hook) pairs for the duration of a job, then remove exactly those."""
-        added = [(name, self.add(name, fn)) for name, fn in interventions]
+        """Register (name, hook) pairs for the duration of a job, then remove exactly those.
+
+        Leaving normally after a kernel forward (one run under `forward(rows)`) in which some installed hook
+        never ran is an error: that steering or capture silently did nothing.
+        """
+        added: list[tuple[str, Hook]] = []
+        forwards = self._forwards
         try:
+            for name, fn in interventions:
+                added.append((name, self.add(name, fn)))
+            runs = {name: self._runs.get(name, 0) for name, _ in added}
             yield
         finally:
             for name, fn in added:
                 self.remove(name, fn)
+        idle = [name for name, n in runs.items() if self._runs.get(name, 0) == n]
+        if idle and self._forwards > forwards:
+            raise HookError(
+                f"hook {idle[0]} never ran although the {self.arch} model ran forward: its forward calls the "
+                "decoder blocks' parts directly (or skips that block), so steering and capture cannot work on it"
+            )
 
     def run(self, name: str, x: mx.array, layer: int) -> mx.array:
         fns = self._hooks.get(name)
         if not fns:
             return x
+        self._runs[name] = self._runs.get(name, 0) + 1
+        if x.ndim != 3:
+            raise HookError(
+                f"{name}: the {self.arch} model's residual stream has shape {tuple(x.shape)}, not "
+                "[batch, seq, hidden]: steering and capture do not support this architecture"
+            )
         ctx = HookContext(name, layer, self.rows)
         for fn in fns:
             x = fn(x, ctx)
@@ -170,13 +203,19 @@ def decoder_layers(model) -> list:
     return layers
 
 
+def architecture(model) -> str:
+    """The model's architecture name (mlx-lm's model_type, else its module's name), for error messages."""
+    name = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
+    return str(name or type(model).__module__.rpartition(".")[2])
+
+
 def instrument(model) -> HookManager:
     """Make every decoder block hookable, in place; idempotent. Returns the model's hook manager."""
     existing = getattr(model, "_orchard_hooks", None)
     if existing is not None:
         return existing
     layers = decoder_layers(model)
-    hooks = HookManager(len(layers))
+    hooks = HookManager(len(layers), architecture(model))
     for i, block in enumerate(layers):
         if not getattr(block, "_orchard_block", False):
             block.__class__ = _hooked_class(type(block))
@@ -186,44 +225,7 @@ def instrument(model) -> HookManager:
     return hooks
 
 
-# --- interventions -------------------------------------------------------------------------------
-
-
-def _as_vector(vector: Any, like: mx.array) -> mx.array:
-    v = mx.array(vector).astype(like.dtype)
-    if v.ndim != 1 or v.shape[0] != like.shape[-1]:
-        raise ValueError(f"vector has shape {tuple(v.shape)}; this model's residual stream is ({like.shape[-1]},)")
-    return v
-
-
-def _at(positions: str, x: mx.array, ctx: HookContext, new: mx.array) -> mx.array:
-    """`new` at the selected positions of each row, `x` everywhere else (pads included)."""
-    return mx.where(ctx.rows.mask(positions, x.shape[0], x.shape[1])[..., None], new, x)
-
-
-@dataclass
-class Add:
-    """x += alpha * v at the selected positions."""
-
-    vector: Any
-    alpha: float = 1.0
-    positions: str = "all"
-
-    def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
-        return _at(self.positions, x, ctx, x + (self.alpha * _as_vector(self.vector, x)).astype(x.dtype))
-
-
-@dataclass
-class Replace:
-    """Move x toward v at the selected positions: weight 1 replaces, 0 < weight < 1 interpolates."""
-
-    vector: Any
-    weight: float = 1.0
-    positions: str = "all"
-
-    def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
-        v = _as_vector(self.vector, x)
-        return _at(self.positions, x, ctx, v if self.weight == 1.0 else x + (self.weight * (v - x)).astype(x.dtype))
+# --- capture -------------------------------------------------------------------------------------
 
 
 class Capture:

@@ -110,3 +110,19 @@ class Steering(BaseModel):
 
 
 NO_STEERING = Steering()
+
+
+class Job(BaseModel):
+    """What one call asks of a worker besides its requests: the kernel, the steering around it, capture points.
+
+    Everything here can change a number, so all of it is part of each result's cache key.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["loglikelihood", "generate", "capture"]
+    steering: Steering = NO_STEERING
+    points: tuple[str, ...] = ()  # capture only: hook points such as "resid_post.3"
+
+    def key(self) -> str:
+        return json.dumps([self.kind, self.steering.key(), list(self.points)])

@@ -1,0 +1,133 @@
+"""The worker actor and its whole lifecycle: placed one per `mlx` node, checked ready, revived, stopped.
+
+`WorkerActor` is thin: it loads one model once and hands each call to `worker.jobs.run`, which installs that
+call's steering around the kernel and removes it after. When Ray restarts a crashed actor it runs the
+constructor again, so the model is reloaded. Tests pass their own subclass (slow or crashing workers).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from worker.jobs import run
+from worker.load import ModelLoadError, fingerprint, load
+from worker.spec import Batching, Job, ModelSpec
+
+from .connect import ClusterError
+from .facts import collect, mismatch
+from .place import place
+
+
+def _was_restarted() -> bool:
+    import ray
+
+    with warnings.catch_warnings():  # Ray's own property calls its deprecated `actor_id`
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+class WorkerActor:
+    def __init__(self, spec: ModelSpec, batching: Batching, rank: int = 0):
+        self.rank, self.batching = rank, batching
+        self.restarted = _was_restarted()
+        self.error: ModelLoadError | None = None
+        try:
+            self.lm = load(spec)
+        except ModelLoadError as e:  # reported by facts(), so the driver prints the one-line message
+            self.lm, self.error = None, e
+
+    def facts(self) -> dict:
+        """Where this worker runs and what it holds; raises the load error if the model did not load."""
+        if self.error is not None:
+            raise self.error
+        return {
+            **collect(),
+            "rank": self.rank,
+            "model_files": fingerprint(self.lm.path),
+            "max_length": self.lm.max_length,
+            "n_layers": self.lm.n_layers,
+            "restarted": self.restarted,
+        }
+
+    def run(self, job: Job, indices: Sequence[int], requests: Sequence[Any]) -> tuple[Sequence[int], list]:
+        return indices, run(self.lm, job, requests, self.batching)
+
+
+def revive(actor: Any) -> Any:
+    """A ref that completes once a lost actor is back (Ray restarted it, model reloaded), or fails for good."""
+    return actor.facts.options(max_task_retries=-1).remote()
+
+
+class Pool:
+    """The workers of a run, across dispatch calls: which are alive, and which Ray is restarting."""
+
+    def __init__(self, workers: Sequence[Any], revive: Callable[[Any], Any] = revive):
+        self.workers = list(workers)
+        self.revive = revive
+        self.alive = set(range(len(self.workers)))
+        self.reviving: dict[Any, int] = {}  # ref -> worker index
+
+    def lost(self, w: int) -> None:
+        if w in self.alive:
+            self.alive.discard(w)
+            self.reviving[self.revive(self.workers[w])] = w
+
+    def back(self, ref: Any) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        w = self.reviving.pop(ref)
+        try:
+            ray.get(ref)
+            self.alive.add(w)
+        except RayActorError:
+            pass  # gone for good
+
+
+def start(
+    spec: ModelSpec,
+    batching: Batching,
+    n: int,
+    *,
+    actor_cls: type = WorkerActor,
+    threads: int | None = None,
+    max_restarts: int = 3,
+) -> tuple[list, list[dict]]:
+    """Place n actors (one per `mlx` node), wait for each to load its model; (actors, their facts).
+
+    Raises ModelLoadError / ClusterError in one line (and stops whatever started) if any worker cannot serve.
+    """
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    ranks = [{"rank": i} for i in range(n)]
+    actors = place(actor_cls, n, spec, batching, max_restarts=max_restarts, threads=threads, per_worker=ranks)
+    try:
+        try:
+            facts = ray.get([a.facts.remote() for a in actors])
+        except RayTaskError as e:
+            if isinstance(e.cause, ModelLoadError):
+                raise ModelLoadError(str(e.cause)) from None
+            raise
+        except RayActorError as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ClusterError(f"a worker died while starting: {first}") from None
+        problem = mismatch(facts)
+        if problem:
+            raise ClusterError(problem)
+    except BaseException:
+        stop(actors)
+        raise
+    return actors, facts
+
+
+def stop(actors: Sequence[Any]) -> None:
+    """Kill the actors and wait until they are gone, so their `mlx` units are free for the next run."""
+    import ray
+
+    if ray.is_initialized() and actors:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        ray.wait([a.facts.remote() for a in actors], num_returns=len(actors), timeout=10)

@@ -1,0 +1,262 @@
+"""Steering vectors from contrastive pairs (CAA-style): read pairs, capture activations, combine, write.
+
+Pure numpy plus a tokenizer's `encode`; where the capture runs (in process, across Ray workers) is the
+caller's `capture_fn(requests, points) -> [ [points, hidden] arrays ]`, so extraction means the same anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from worker.spec import SITES
+
+METHODS = ("mean-diff", "pca-diff", "pca-center")
+_FIELDS = ("prompt", "positive", "negative")
+
+
+class PairsError(ValueError):
+    """A pairs file that cannot be used; the one-line message names the file (and line)."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One contrastive pair; both sides continue the same (possibly empty) prompt."""
+
+    positive: str
+    negative: str
+    prompt: str = ""
+
+    @property
+    def texts(self) -> tuple[str, str]:
+        return self.prompt + self.positive, self.prompt + self.negative
+
+
+# --- inputs -------------------------------------------------------------------------------------------
+
+
+def _pair(obj, where: str) -> Pair:
+    if not isinstance(obj, dict):
+        raise PairsError(f"{where}: expected a JSON object with positive and negative, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(_FIELDS))
+    if unknown:
+        raise PairsError(f"{where}: unknown field {unknown[0]!r} (allowed: {', '.join(_FIELDS)})")
+    for key in _FIELDS:
+        if key in obj and not isinstance(obj[key], str):
+            raise PairsError(f"{where}: field {key!r} must be a string, not {type(obj[key]).__name__}")
+    for key in ("positive", "negative"):
+        if not obj.get(key):
+            raise PairsError(f"{where}: {'empty' if key in obj else 'missing'} field {key!r}")
+    return Pair(obj["positive"], obj["negative"], obj.get("prompt", ""))
+
+
+def read_pairs(path: str | os.PathLike) -> list[Pair]:
+    """Pairs from JSONL: one {"positive": ..., "negative": ..., optional "prompt": ...} per line; blank lines skipped."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PairsError(f"pairs file not found: {path}") from None
+    except IsADirectoryError:
+        raise PairsError(f"pairs file is a folder: {path}") from None
+    except UnicodeDecodeError as e:
+        raise PairsError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
+    pairs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PairsError(f"{path}: line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        pairs.append(_pair(obj, f"{path}: line {n}"))
+    if not pairs:
+        raise PairsError(f"{path}: no pairs (the file is empty): write one JSON object per line")
+    return pairs
+
+
+def pairs_sha256(pairs: Sequence[Pair]) -> str:
+    """Digest of the pairs' content (not the file's formatting), for the vectors' metadata."""
+    rows = [[p.prompt, p.positive, p.negative] for p in pairs]
+    return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()
+
+
+def parse_layers(spec: str, n_layers: int) -> list[int]:
+    """"all" or comma-separated layers ("2,3,4"; "-1": the last block), resolved to 0..n_layers-1, in order."""
+    spec = spec.strip()
+    if spec == "all":
+        return list(range(n_layers))
+    layers: list[int] = []
+    for item in spec.split(","):
+        try:
+            layer = int(item.strip())
+        except ValueError:
+            raise ValueError(f"bad layer {item.strip()!r} in {spec!r}: use 'all' or integers like 2,3,4 or -1") from None
+        if not -n_layers <= layer < n_layers:
+            raise ValueError(
+                f"layer {layer} is out of range: the model has {n_layers} layers (0..{n_layers - 1} or -{n_layers}..-1)"
+            )
+        layer %= n_layers
+        if layer in layers:
+            raise ValueError(f"layer {layer} is given twice in {spec!r}")
+        layers.append(layer)
+    return layers
+
+
+def parse_position(spec: str) -> int:
+    """"last" (-1) or a token index: negative counts from the end (-2: the token before the last)."""
+    spec = spec.strip()
+    if spec == "last":
+        return -1
+    try:
+        return int(spec)
+    except ValueError:
+        raise ValueError(f"bad position {spec!r}: use 'last' or a token index like -2 or 5") from None
+
+
+def capture_requests(
+    encode: Callable[[str], list[int]], pairs: Sequence[Pair], position: int
+) -> list[tuple[tuple[int, ...], int]]:
+    """Capture requests, positives first then negatives: request i is pair i's positive, n + i its negative."""
+    requests = []
+    for side in (0, 1):
+        for k, pair in enumerate(pairs):
+            tokens = tuple(encode(pair.texts[side]))
+            if not -len(tokens) <= position < len(tokens):
+                name = ("positive", "negative")[side]
+                raise ValueError(
+                    f"pair {k + 1}: position {position} is outside the {len(tokens)} tokens of its {name} text"
+                )
+            requests.append((tokens, position))
+    return requests
+
+
+# --- combining ----------------------------------------------------------------------------------------
+
+
+def _top_direction(x: np.ndarray, method: str) -> np.ndarray:
+    """Unit first right-singular vector of x (float64); deterministic for a given input."""
+    _, s, vt = np.linalg.svd(x, full_matrices=False)
+    if s.size == 0 or s[0] <= 1e-12 * max(1.0, float(np.abs(x).max(initial=0.0))):
+        raise ValueError(f"{method}: the activations do not vary, so there is no principal direction (use mean-diff)")
+    return vt[0] / np.linalg.norm(vt[0])
+
+
+def combine(pos: np.ndarray, neg: np.ndarray, method: str) -> np.ndarray:
+    """One float32 [d] vector from paired [n, d] activations (computed in float64).
+
+    mean-diff: mean over pairs of pos - neg (CAA); keeps its natural scale.
+    pca-diff: first principal component of the differences pos - neg, centred first (as sklearn's PCA does
+        in repeng): the direction along which the pairs' differences vary most. A shift shared by every
+        pair has no variance, so pca-diff cannot see it; mean-diff and pca-center can. Needs 2+ pairs.
+    pca-center: first principal component of each pair's pos and neg minus the pair's mean, stacked.
+    PCA directions are unit norm, signed so that positives project higher than negatives on average.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    pos, neg = np.asarray(pos, dtype=np.float64), np.asarray(neg, dtype=np.float64)
+    if pos.ndim != 2 or pos.shape != neg.shape or pos.shape[0] == 0:
+        raise ValueError(f"need matching non-empty [n, d] positives and negatives, not {pos.shape} and {neg.shape}")
+    if not (np.isfinite(pos).all() and np.isfinite(neg).all()):
+        raise ValueError("the activations hold NaN or inf values")
+    diff = pos - neg
+    mean_diff = diff.mean(axis=0)
+    if method == "mean-diff":
+        return mean_diff.astype(np.float32)
+    if method == "pca-diff":
+        if len(diff) < 2:
+            raise ValueError("pca-diff needs at least 2 pairs: it finds how the differences vary")
+        v = _top_direction(diff - mean_diff, method)
+    else:
+        center = (pos + neg) / 2
+        v = _top_direction(np.concatenate([pos - center, neg - center]), method)
+    # The SVD's sign is arbitrary: point it from negatives to positives (ties: largest component positive).
+    side = float(mean_diff @ v)
+    if side < 0 or (side == 0 and v[np.argmax(np.abs(v))] < 0):
+        v = -v
+    return v.astype(np.float32)
+
+
+# --- glue and output ----------------------------------------------------------------------------------
+
+
+def extract(
+    capture_fn: Callable[[list, list[str]], list[np.ndarray]],
+    encode: Callable[[str], list[int]],
+    pairs: Sequence[Pair],
+    layers: Sequence[int],
+    site: str,
+    method: str,
+    position: int,
+) -> dict[str, np.ndarray]:
+    """{f"{site}.{layer}": float32 [hidden] vector} for resolved (non-negative) layers."""
+    if site not in SITES:
+        raise ValueError(f"unknown site {site!r}: choose one of {', '.join(SITES)}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    if not pairs or not layers:
+        raise ValueError("extract needs at least one pair and one layer")
+    points = [f"{site}.{int(layer)}" for layer in layers]
+    requests = capture_requests(encode, pairs, position)
+    acts = capture_fn(requests, points)
+    if len(acts) != len(requests):
+        raise RuntimeError(f"the capture returned {len(acts)} results for {len(requests)} requests")
+    acts = np.stack([np.asarray(a, dtype=np.float32) for a in acts])  # [2n, points, hidden]
+    n = len(pairs)
+    return {point: combine(acts[:n, j], acts[n:, j], method) for j, point in enumerate(points)}
+
+
+def orchard_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("orchard")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def metadata(model: str, method: str, site: str, position: int, pairs: Sequence[Pair], **extra: str) -> dict[str, str]:
+    """The string metadata stored with the vectors; `extra` adds e.g. the weights' fingerprint."""
+    return {
+        "model": str(model),
+        "method": method,
+        "site": site,
+        "position": str(position),
+        "n_pairs": str(len(pairs)),
+        "pairs_sha256": pairs_sha256(pairs),
+        "orchard_version": orchard_version(),
+        **{k: str(v) for k, v in extra.items()},
+    }
+
+
+def write_vectors(path: str | os.PathLike, vectors: dict[str, np.ndarray], metadata: dict[str, str]) -> Path:
+    """Write one .safetensors file atomically (a temp file in the same folder, then os.replace); parents are created."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"output path is a folder: {path} (give a file name such as vectors.safetensors)")
+    if not vectors:
+        raise ValueError("no vectors to write")
+    bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"metadata {bad[0]!r} must map a string to a string")
+    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in vectors.items()}
+    meta = {"orchard_version": orchard_version(), **metadata}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # a failure leaves neither a half-written file nor the temp file
+        raise
+    return path

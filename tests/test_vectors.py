@@ -1,0 +1,299 @@
+"""Steering-vector extraction: the capture kernel against blocks run by hand, the combine methods on planted
+directions, the safetensors output, and one-line errors for bad pairs files."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_attention_mask
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from driver.vectors import (
+    METHODS,
+    Pair,
+    PairsError,
+    capture_requests,
+    combine,
+    extract,
+    metadata,
+    parse_layers,
+    parse_position,
+    read_pairs,
+    write_vectors,
+)
+from worker.capture import capture
+from worker.hooks import Capture
+from worker.load import load
+from worker.spec import Batching
+
+POINTS = ["resid_pre.0", "resid_post.0", "resid_post.1", "resid_pre.2", "resid_post.2"]
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    from testbed.models import write_model
+
+    return load(str(write_model(tmp_path_factory.mktemp("m") / "m", arch="llama", layers=3)))
+
+
+def ragged_requests(n: int = 12, seed: int = 0) -> list[tuple[tuple[int, ...], int]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(3, 20))
+        tokens = tuple(int(t) for t in rng.integers(3, 700, size=length))
+        out.append((tokens, int(rng.choice([-1, -2, 0, length // 2]))))
+    return out
+
+
+def by_hand(lm, tokens, position: int) -> np.ndarray:
+    """[points, hidden]: one unpadded sequence through the decoder blocks, called one by one."""
+    inner = lm.model.model
+    h = inner.embed_tokens(mx.array([list(tokens)]))
+    mask = create_attention_mask(h, None)
+    streams = {}
+    for i, block in enumerate(inner.layers):
+        streams[f"resid_pre.{i}"] = h
+        h = block(h, mask)
+        streams[f"resid_post.{i}"] = h
+    return np.stack([np.array(streams[p][0, position]) for p in POINTS])
+
+
+# --- capture kernel -------------------------------------------------------------------------------------
+
+
+def test_capture_equals_the_blocks_run_by_hand_on_ragged_batches(lm):
+    requests = ragged_requests() + [ragged_requests(1, seed=5)[0]] * 2  # a repeated request shares its row
+    got = capture(lm, requests, POINTS, Batching(batch_size=5))
+    assert len(got) == len(requests)
+    for (tokens, position), arr in zip(requests, got):
+        assert arr.dtype == np.float32 and arr.shape == (len(POINTS), 64)
+        np.testing.assert_allclose(arr, by_hand(lm, tokens, position), atol=1e-5)
+
+
+def test_capture_does_not_depend_on_the_batch_size(lm):
+    requests = ragged_requests(16, seed=1)
+    one = capture(lm, requests, POINTS, Batching(batch_size=1))
+    many = capture(lm, requests, POINTS, Batching(batch_size=32))
+    few_tokens = capture(lm, requests, POINTS, Batching(batch_size=32, max_batch_tokens=40))
+    for a, b, c in zip(one, many, few_tokens):
+        assert np.abs(a - b).max() <= 1e-6 and np.abs(a - c).max() <= 1e-6
+
+
+def test_capture_sees_steering_installed_before_it_at_the_right_rows(lm):
+    """A hook adding v at each row's last real token (via Rows) is seen by the capture at that point only there."""
+    v = mx.array(np.full(64, 3.0, dtype=np.float32))
+
+    def add_last(x, ctx):
+        return mx.where(ctx.rows.mask("last", x.shape[0], x.shape[1])[..., None], x + v, x)
+
+    requests = [(tuple(range(5, 5 + n)), p) for n in (4, 9, 6) for p in (-1, -2)]
+    plain = capture(lm, requests, ["resid_post.0", "resid_post.2"], Batching(batch_size=3))
+    with lm.hooks.installed([("resid_post.0", add_last)]):
+        steered = capture(lm, requests, ["resid_post.0", "resid_post.2"], Batching(batch_size=3))
+    for (_, position), p, s in zip(requests, plain, steered):
+        expected = 3.0 if position == -1 else 0.0  # pads never count as a row's last token
+        np.testing.assert_allclose(s[0] - p[0], expected, atol=1e-5)
+        assert (np.abs(s[1] - p[1]).max() > 1e-3) == (position == -1)
+
+
+def test_capture_keeps_the_last_max_length_tokens(lm, tmp_path):
+    short = load(str(lm.path), max_length=8)
+    tokens = tuple(range(10, 22))
+    got = capture(short, [(tokens, -1), (tokens, 4), (tokens, -8)], POINTS)
+    np.testing.assert_allclose(got[0], by_hand(lm, tokens[-8:], -1), atol=1e-5)
+    np.testing.assert_allclose(got[1], by_hand(lm, tokens[-8:], 0), atol=1e-5)  # token 4 is the window's first
+    np.testing.assert_allclose(got[2], got[1], atol=0)
+    with pytest.raises(ValueError, match=r"^request 0: position 3 falls in the first 4 of its 12 tokens, cut off") as e:
+        capture(short, [(tokens, 3)], POINTS)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("position", [5, -6])
+def test_capture_refuses_a_position_outside_the_tokens(lm, position):
+    with pytest.raises(ValueError, match=rf"^request 1: position {position} is outside its 5 tokens$"):
+        capture(lm, [((1, 2, 3, 4, 5, 6), -1), ((1, 2, 3, 4, 5), position)], POINTS)
+
+
+# --- combining ------------------------------------------------------------------------------------------
+
+
+def planted(n: int = 64, d: int = 32, seed: int = 0):
+    """Pairs sharing a large random base, pulled apart along u by a varying amount, plus small noise."""
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    base = 3.0 * rng.standard_normal((n, d))
+    scale = rng.uniform(1.0, 3.0, size=(n, 1))
+    pos = base + scale * u / 2 + 0.05 * rng.standard_normal((n, d))
+    neg = base - scale * u / 2 + 0.05 * rng.standard_normal((n, d))
+    return pos.astype(np.float32), neg.astype(np.float32), u, float(scale.mean())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_recovers_a_planted_direction_with_its_sign(method):
+    pos, neg, u, mean_scale = planted()
+    v = combine(pos, neg, method)
+    assert v.dtype == np.float32 and v.shape == u.shape
+    assert float(v @ u) / np.linalg.norm(v) > 0.99
+    if method == "mean-diff":
+        assert np.linalg.norm(v) == pytest.approx(mean_scale, rel=0.02)  # natural scale kept
+    else:
+        assert np.linalg.norm(v) == pytest.approx(1.0, abs=1e-6)
+    flipped = combine(neg, pos, method)
+    assert float(flipped @ u) / np.linalg.norm(flipped) < -0.99  # swapping the sides flips the sign
+    assert np.array_equal(combine(pos.copy(), neg.copy(), method), v)  # deterministic, bitwise
+
+
+def test_mean_diff_is_the_float64_mean_of_the_differences():
+    pos, neg, _, _ = planted(n=7, d=5, seed=3)
+    expected = (pos.astype(np.float64) - neg.astype(np.float64)).mean(axis=0).astype(np.float32)
+    assert np.array_equal(combine(pos, neg, "mean-diff"), expected)
+
+
+def test_pca_diff_refuses_differences_that_do_not_vary():
+    pos = np.ones((4, 3), np.float32)
+    with pytest.raises(ValueError, match="do not vary"):
+        combine(pos, np.zeros((4, 3), np.float32), "pca-diff")
+    with pytest.raises(ValueError, match="at least 2 pairs"):
+        combine(pos[:1], pos[:1] * 0, "pca-diff")
+    # pca-center sees a shift shared by every pair
+    assert np.allclose(combine(pos, np.zeros((4, 3), np.float32), "pca-center"), 3**-0.5)
+
+
+# --- extraction on the real model -----------------------------------------------------------------------
+
+
+def test_planted_pairs_mean_diff_equals_captures_made_one_by_one(lm):
+    """Pairs differing in one word: extract's vector is the mean of per-text last-token captures' differences."""
+    words = [("happy", "sad"), ("big", "small"), ("red", "blue"), ("king", "queen")]
+    pairs = [Pair(f" the {a} dog", f" the {b} dog", prompt="Once upon a time") for a, b in words]
+    encode = lm.tokenizer.encode
+    layers = parse_layers("1,-1", lm.n_layers)
+    vectors = extract(
+        lambda requests, points: capture(lm, requests, points, Batching(batch_size=3)),
+        encode, pairs, layers, "resid_post", "mean-diff", parse_position("last"),
+    )
+    assert sorted(vectors) == ["resid_post.1", "resid_post.2"]
+    for layer in layers:
+        diffs = []
+        for pair in pairs:
+            last = []
+            for text in pair.texts:
+                cap = Capture("last")  # the hooks module's own capture, one unpadded text at a time
+                with lm.hooks.installed([(f"resid_post.{layer}", cap)]):
+                    mx.eval(lm.model(mx.array([encode(text)])))
+                last.append(np.array(cap.records[0][0], dtype=np.float64))
+            diffs.append(last[0] - last[1])
+        expected = np.mean(diffs, axis=0)
+        assert np.linalg.norm(expected) > 0.1
+        np.testing.assert_allclose(vectors[f"resid_post.{layer}"], expected, atol=1e-5)
+
+
+def test_capture_requests_put_positives_first():
+    pairs = [Pair("a", "b", prompt="p"), Pair("c", "d")]
+    requests = capture_requests(lambda s: [ord(c) for c in s], pairs, -1)
+    assert requests == [((112, 97), -1), ((99,), -1), ((112, 98), -1), ((100,), -1)]
+    with pytest.raises(ValueError, match=r"^pair 2: position -2 is outside the 1 tokens of its positive text$"):
+        capture_requests(lambda s: [ord(c) for c in s], pairs, -2)
+
+
+# --- output ---------------------------------------------------------------------------------------------
+
+
+def test_vectors_file_round_trips_with_metadata(tmp_path):
+    rng = np.random.default_rng(0)
+    vectors = {"resid_post.1": rng.standard_normal(64).astype(np.float32), "resid_post.2": rng.standard_normal(64)}
+    meta = metadata("tiny-llama@abc", "mean-diff", "resid_post", -1, [Pair("a", "b")], fingerprint="abc")
+    path = write_vectors(tmp_path / "new" / "dir" / "v.safetensors", vectors, meta)  # parents are created
+    loaded = load_file(str(path))
+    assert loaded.keys() == vectors.keys()
+    for k, v in vectors.items():
+        assert loaded[k].dtype == np.float32 and np.array_equal(loaded[k], v.astype(np.float32))
+    with safe_open(str(path), "np") as f:
+        stored = f.metadata()
+    assert stored == meta
+    assert {"model", "method", "site", "position", "n_pairs", "pairs_sha256", "orchard_version"} <= stored.keys()
+    assert stored["n_pairs"] == "1" and stored["position"] == "-1" and len(stored["pairs_sha256"]) == 64
+    assert [p.name for p in path.parent.iterdir()] == ["v.safetensors"]  # no temp file left behind
+
+
+def test_a_failed_write_leaves_the_previous_file_and_no_temp(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    path = write_vectors(tmp_path / "v.safetensors", {"resid_post.0": np.ones(4, np.float32)}, {})
+    before = path.read_bytes()
+
+    def half_written(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"\x00garbage")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        write_vectors(path, {"resid_post.0": np.zeros(4, np.float32)}, {})
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["v.safetensors"]
+    with pytest.raises(ValueError, match=r"^output path is a folder: .*$"):
+        write_vectors(tmp_path, {"resid_post.0": np.zeros(4, np.float32)}, {})
+
+
+# --- inputs ---------------------------------------------------------------------------------------------
+
+
+def test_read_pairs_reads_prompts_and_skips_blank_lines(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"positive": " yes", "negative": " no", "prompt": "Q?"}\n\n{"positive": "a", "negative": "b"}\n')
+    pairs = read_pairs(path)
+    assert pairs == [Pair(" yes", " no", "Q?"), Pair("a", "b")]
+    assert pairs[0].texts == ("Q? yes", "Q? no")
+
+
+GOOD = '{"positive": "a", "negative": "b"}'
+
+
+@pytest.mark.parametrize(
+    "content, line, message",
+    [
+        (f'{GOOD}\n{{"positive": "a", "negative": "b"\n', 2, "not valid JSON"),
+        (f'{GOOD}\n\n{{"negative": "b"}}\n', 3, "missing field 'positive'"),
+        (f'{GOOD}\n{{"positive": "a", "negative": ""}}\n', 2, "empty field 'negative'"),
+        (f'{{"positive": "a", "negative": 3}}\n', 1, "field 'negative' must be a string, not int"),
+        (f'{{"positive": "a", "negative": "b", "prompt": null}}\n', 1, "field 'prompt' must be a string"),
+        (f'{GOOD}\n{{"positive": "a", "negative": "b", "label": 1}}\n', 2, "unknown field 'label'"),
+        (f'{GOOD}\n["a", "b"]\n', 2, "expected a JSON object"),
+    ],
+)
+def test_each_pairs_file_error_is_one_line_with_its_line_number(tmp_path, content, line, message):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(content)
+    with pytest.raises(PairsError) as e:
+        read_pairs(path)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"{path}: line {line}: ") and message in text
+
+
+def test_missing_and_empty_pairs_files_are_one_line_errors(tmp_path):
+    with pytest.raises(PairsError, match=r"^pairs file not found: .*nope\.jsonl$"):
+        read_pairs(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(PairsError, match=r"empty\.jsonl: no pairs \(the file is empty\)"):
+        read_pairs(tmp_path / "empty.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes('{"positive": "caf\u00e9", "negative": "b"}'.encode("latin-1"))
+    with pytest.raises(PairsError, match=r"latin1\.jsonl: not UTF-8 text \(bad byte at offset 17\)$"):
+        read_pairs(tmp_path / "latin1.jsonl")
+
+
+def test_parse_layers_and_position():
+    assert parse_layers("all", 3) == [0, 1, 2]
+    assert parse_layers(" 2, 0 ", 3) == [2, 0]
+    assert parse_layers("-1,-3", 3) == [2, 0]
+    bad = [("3", "out of range"), ("-4", "out of range"), ("1,x", "bad layer 'x'"), ("", "bad layer"), ("1,-2", "twice")]
+    for spec, message in bad:
+        with pytest.raises(ValueError, match=message):
+            parse_layers(spec, 3)
+    assert parse_position("last") == -1 and parse_position("-2") == -2 and parse_position("5") == 5
+    with pytest.raises(ValueError, match="bad position 'first'"):
+        parse_position("first")

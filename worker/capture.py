@@ -1,0 +1,117 @@
+"""Capture kernel: the residual stream at one position of each request, over token ids. No Ray, no lm-eval.
+
+A request is `(tokens, position)`; the result is a float32 [len(points), hidden] array per request, read at
+hook points such as `resid_post.3` after every hook already installed there (steering runs first). Rows
+are right-padded and cut by `Batching`; the numbers do not depend on how they are cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .hooks import HookContext, Rows
+from .spec import Batching
+
+
+class _Gather:
+    """Capture hook: the rows of the flattened [B*S, D] stream listed in `at` (set per forward), as float32."""
+
+    def __init__(self) -> None:
+        self.at: mx.array | None = None
+        self.out: mx.array | None = None
+
+    def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
+        B, S, D = x.shape
+        self.out = x.reshape(B * S, D)[self.at].astype(mx.float32)
+        return x
+
+
+def _resolve(i: int, tokens: Sequence[int], position: int, max_length: int) -> tuple[tuple[int, ...], int]:
+    """(input tokens, index of the captured token in them): the last max_length tokens, position resolved."""
+    tokens = tuple(int(t) for t in tokens)
+    n = len(tokens)
+    at = position + n if position < 0 else position
+    if not 0 <= at < n:
+        raise ValueError(f"request {i}: position {position} is outside its {n} tokens")
+    cut = max(0, n - max_length)
+    if at < cut:
+        raise ValueError(
+            f"request {i}: position {position} falls in the first {cut} of its {n} tokens, "
+            f"cut off to fit max_length {max_length}"
+        )
+    return tokens[cut:], at - cut
+
+
+def _batches(rows: list[tuple[int, ...]], batching: Batching) -> list[list[int]]:
+    """Row indices sorted by length, cut so no forward exceeds the row and padded-token budgets."""
+    out: list[list[int]] = []
+    batch: list[int] = []
+    for r in sorted(range(len(rows)), key=lambda r: len(rows[r])):
+        size = len(batch) + 1
+        if batch and (size > batching.batch_size or size * len(rows[r]) > batching.max_batch_tokens):
+            out.append(batch)
+            batch = []
+        batch.append(r)
+    if batch:
+        out.append(batch)
+    return out
+
+
+def _forward(lm, rows: list[tuple[int, ...]], wanted: list[list[tuple[int, int]]], batch: list[int], gathers: list):
+    """One right-padded forward; returns (request indices, lazy [R, points, hidden] float32 array)."""
+    width = max(len(rows[r]) for r in batch)
+    padded = [list(rows[r]) + [0] * (width - len(rows[r])) for r in batch]
+    index, flat = [], []
+    for b, r in enumerate(batch):
+        for i, at in wanted[r]:
+            index.append(i)
+            flat.append(b * width + at)
+    for g in gathers:
+        g.at = mx.array(flat)
+    with lm.hooks.forward(Rows(offset=0, ends=mx.array([len(rows[r]) for r in batch]))):
+        # Only the gathered rows are evaluated: MLX never computes blocks past the deepest point, nor the head.
+        lm.head.body(mx.array(padded))
+    return index, mx.stack([g.out for g in gathers], axis=1)
+
+
+def capture(
+    lm, requests: Sequence[tuple[Sequence[int], int]], points: Sequence[str], batching: Batching | None = None
+) -> list[np.ndarray]:
+    """Per request, in order: a float32 [len(points), hidden] array of the residual stream at its position.
+
+    `position` indexes the request's tokens, negative from the end (-1: the last token); one outside them
+    is a ValueError. Tokens longer than `lm.max_length` keep their last max_length tokens (left-truncation,
+    as lm-eval does with contexts), so a non-negative position must fall in those. Capture hooks are
+    appended after any hooks already installed at the same points (e.g. steering), so they see the
+    steered stream. Requests with the same tokens share one row.
+    """
+    batching = batching or Batching()
+    points = list(points)
+    if not points:
+        raise ValueError("capture needs at least one hook point, e.g. resid_post.0")
+    rows: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i, (tokens, position) in enumerate(requests):
+        inp, at = _resolve(i, tokens, int(position), lm.max_length)
+        rows.setdefault(inp, []).append((i, at))
+    keys, wanted = list(rows), list(rows.values())
+    results: list[np.ndarray | None] = [None] * len(requests)
+
+    def collect(index: list[int], out: mx.array) -> None:
+        for i, a in zip(index, np.array(out)):  # the one host sync of the batch
+            results[i] = a
+
+    gathers = [_Gather() for _ in points]
+    pending = None
+    with lm.hooks.installed(list(zip(points, gathers))):
+        for batch in _batches(keys, batching):
+            out = _forward(lm, keys, wanted, batch, gathers)
+            mx.async_eval(out[1])  # this batch computes while the previous one is read back
+            if pending is not None:
+                collect(*pending)
+            pending = out
+    if pending is not None:
+        collect(*pending)
+    return results

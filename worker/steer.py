@@ -1,0 +1,164 @@
+"""Steering: the residual-stream ops as hooks, and `steered(lm, steering)` around one job.
+
+Each op edits the residual stream `x` ([batch, seq, hidden]) at the positions it selects and leaves every
+other position, pads included, exactly as it was; it computes in `x`'s dtype. With u = v/|v|:
+
+    add      x + alpha*v
+    replace  x + alpha*(v - x)      (alpha 1 puts v there exactly)
+    ablate   x - (x.u)u
+    clamp    x + (alpha - x.u)u     (the component along u becomes alpha)
+
+Ops carry `.positions` so the scoring kernel knows when prompt and continuation must be told apart
+(`HookManager.splits_prompt`). `worker.hooks` is the mechanism; this module only says what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .hooks import POSITIONS, Capture, Hook, HookContext, Rows
+from .spec import Steering
+
+
+class SteeringError(ValueError):
+    """Steering that cannot apply to this model; one line naming the intervention, the field and the fix."""
+
+
+def _at(positions: str, x: mx.array, ctx: HookContext, new: mx.array) -> mx.array:
+    """`new` at the selected positions of each row, `x` everywhere else (pads included)."""
+    return mx.where(ctx.rows.mask(positions, x.shape[0], x.shape[1])[..., None], new, x)
+
+
+class _Op:
+    """A vector (float32, kept once) applied at `positions`; cast to the residual's dtype on first use."""
+
+    unit = False  # ops along a direction keep u = v/|v|
+
+    def __init__(self, vector: Any, alpha: float = 1.0, positions: str = "all") -> None:
+        if positions not in POSITIONS:
+            raise SteeringError(f"positions: unknown positions {positions!r}: choose one of {', '.join(POSITIONS)}")
+        v = np.asarray(vector, dtype=np.float32)
+        if v.ndim != 1 or v.size == 0:
+            raise SteeringError(f"vector: need a 1-D vector, got shape {v.shape}")
+        if self.unit:
+            norm = float(np.linalg.norm(v))
+            if norm == 0.0:
+                raise SteeringError(f"vector: {type(self).__name__.lower()} needs a direction: pass a nonzero vector")
+            v = v / norm
+        self.vector = mx.array(v)
+        self.alpha = float(alpha)
+        self.positions = positions
+        self._cast: dict[Any, mx.array] = {}
+
+    def _v(self, x: mx.array, ctx: HookContext) -> mx.array:
+        if x.shape[-1] != self.vector.shape[0]:
+            raise SteeringError(
+                f"{ctx.name}: the vector has {self.vector.shape[0]} values but the residual stream has "
+                f"{x.shape[-1]}: pass a vector of length {x.shape[-1]}"
+            )
+        v = self._cast.get(x.dtype)
+        if v is None:
+            v = self._cast[x.dtype] = self.vector.astype(x.dtype)
+        return v
+
+    def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
+        return _at(self.positions, x, ctx, self.edit(x, self._v(x, ctx)))
+
+    def edit(self, x: mx.array, v: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(alpha={self.alpha}, positions={self.positions!r}, dim={self.vector.shape[0]})"
+
+
+class Add(_Op):
+    """x + alpha*v at the selected positions."""
+
+    def edit(self, x: mx.array, v: mx.array) -> mx.array:
+        return x + self.alpha * v
+
+
+class Replace(_Op):
+    """x + alpha*(v - x): alpha 1 replaces by v exactly, 0 < alpha < 1 interpolates."""
+
+    def edit(self, x: mx.array, v: mx.array) -> mx.array:
+        return mx.broadcast_to(v, x.shape) if self.alpha == 1.0 else x + self.alpha * (v - x)
+
+
+class Ablate(_Op):
+    """x - (x.u)u: remove the component along u = v/|v| (alpha is not used)."""
+
+    unit = True
+
+    def edit(self, x: mx.array, u: mx.array) -> mx.array:
+        return x - (x @ u[:, None]) * u
+
+
+class Clamp(_Op):
+    """x + (alpha - x.u)u: set the component along u = v/|v| to alpha."""
+
+    unit = True
+
+    def edit(self, x: mx.array, u: mx.array) -> mx.array:
+        return x + (self.alpha - x @ u[:, None]) * u
+
+
+OPS: dict[str, type[_Op]] = {"add": Add, "replace": Replace, "ablate": Ablate, "clamp": Clamp}
+
+
+def hooks_for(steering: Steering | None, n_layers: int, hidden: int) -> list[tuple[str, Hook]]:
+    """(hook point, op) per intervention, in order; negative layers count from the end."""
+    out: list[tuple[str, Hook]] = []
+    for i, iv in enumerate(steering.interventions if steering else ()):
+        layer = iv.layer + n_layers if iv.layer < 0 else iv.layer
+        if not 0 <= layer < n_layers:
+            raise SteeringError(
+                f"intervention {i}: layer {iv.layer} is out of range for this {n_layers}-layer model: "
+                f"use 0..{n_layers - 1} (or -{n_layers}..-1 from the end)"
+            )
+        if len(iv.vector) != hidden:
+            raise SteeringError(
+                f"intervention {i}: vector has {len(iv.vector)} values but this model's residual stream has "
+                f"{hidden}: pass a vector of length {hidden}"
+            )
+        if iv.normalize and not any(iv.vector):
+            raise SteeringError(f"intervention {i}: vector is all zeros: pass a nonzero vector or normalize=false")
+        try:
+            op = OPS[iv.op](iv.array(), iv.alpha, iv.positions)
+        except SteeringError as e:
+            raise SteeringError(f"intervention {i}: {e}") from None
+        out.append((f"{iv.site}.{layer}", op))
+    return out
+
+
+_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+
+
+def hidden_size(lm) -> int:
+    """The residual stream's width: from the model's config, else read off a one-token forward."""
+    for source in (lm.config, lm.config.get("text_config") or {}):
+        for key in _WIDTH_KEYS:
+            if isinstance(source.get(key), int) and source[key] > 0:
+                return source[key]
+    cap = Capture("last")
+    with lm.hooks.installed([("resid_pre.0", cap)]), lm.hooks.forward(Rows()):
+        lm.model(mx.array([[0]]))
+    return int(cap.records[0].shape[-1])
+
+
+@contextlib.contextmanager
+def steered(lm, steering: Steering | None) -> Iterator[None]:
+    """Install `steering`'s hooks on `lm` (a worker.load.LoadedModel) for the block; remove exactly them.
+
+    No interventions install nothing: the model stays bitwise the plain one.
+    """
+    if not steering:
+        yield
+        return
+    with lm.hooks.installed(hooks_for(steering, lm.n_layers, hidden_size(lm))):
+        yield
