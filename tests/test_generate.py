@@ -9,7 +9,8 @@ import mlx.core as mx
 import pytest
 
 from worker.generate import GenRequest, generate, generate_tokens, stop_at, warp_logits
-from worker.hooks import Add, Capture
+from worker.hooks import Capture
+from worker.steer import Add
 from worker.load import load
 from testbed.models import write_model
 
@@ -284,7 +285,7 @@ class Record:
                 x=x, offset=r.offset, S=S,
                 all=r.mask("all", B, S).tolist(),
                 prompt=r.mask("prompt", B, S).tolist(),
-                generated=r.mask("generated", B, S).tolist(),
+                generated=r.mask("continuation", B, S).tolist(),
                 # each token's index among its own row's real tokens
                 real_index=(mx.arange(r.offset, r.offset + S)[None, :] - r.starts[:, None]).tolist(),
             )
@@ -306,7 +307,7 @@ def test_generated_add_leaves_prompt_forward(lm):
         generate_tokens(m, reqs, batch_size=4)
     plain_prefill = cap.records[0]
     cap = Capture("all")
-    with m.hooks.installed([("resid_pre.1", Add(_vector(m), positions="generated")), ("resid_post.1", cap)]):
+    with m.hooks.installed([("resid_pre.1", Add(_vector(m), positions="continuation")), ("resid_post.1", cap)]):
         steered = generate_tokens(m, reqs, batch_size=4)
     for a, b in zip(plain_prefill, cap.records[0]):
         assert mx.array_equal(a, b).item()

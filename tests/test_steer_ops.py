@@ -46,12 +46,14 @@ def vec(seed=0, scale=1.0):
 
 def iv(op="add", layer=1, positions="all", site="resid_post", seed=0, alpha=None, **kw):
     alpha = ALPHA[op] if alpha is None else alpha
-    return Intervention(layer=layer, site=site, op=op, vector=tuple(map(float, vec(seed))), alpha=alpha, positions=positions, **kw)
+    v = tuple(map(float, vec(seed)))
+    return Intervention(layer=layer, site=site, op=op, vector=v, alpha=alpha, positions=positions, **kw)
 
 
 def selected(positions: str, n_ctx: int, n: int) -> list[int]:
     """Indices of the request's own input tokens a positions mode names."""
-    return {"all": list(range(n)), "prompt": list(range(n_ctx)), "continuation": list(range(n_ctx, n)), "last": [n - 1]}[positions]
+    spans = {"all": (0, n), "prompt": (0, n_ctx), "continuation": (n_ctx, n), "last": (n - 1, n)}
+    return list(range(*spans[positions]))
 
 
 def op_by_hand(op: str, x: np.ndarray, v: np.ndarray, alpha: float) -> np.ndarray:
@@ -89,7 +91,8 @@ def by_hand(lm, request, interventions=()):
     ctx, cont = request
     tokens = (ctx + cont)[:-1]
     logits = np.array(lm.model.lm_head(hidden_by_hand(lm, tokens, interventions, len(ctx)))[0], dtype=np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     first = len(tokens) - len(cont)
     return float(sum(logp[first + j, t] for j, t in enumerate(cont)))
 
@@ -125,7 +128,7 @@ def test_op_at_positions_equals_running_the_blocks_by_hand(lm, op, positions, si
     plain = np.array([by_hand(lm, r) for r in REQUESTS])
     assert np.abs(got - want).max() < 2e-4
     assert np.abs(want - plain).max() > 1e-2  # the steering matters here
-    # One padded forward: exactly the named positions of each row changed; other tokens and pads are bitwise kept.
+    # One padded forward: exactly the named positions of each row changed; other tokens and pads bitwise kept.
     (x0, rows), (x1, _) = before.seen[0], after.seen[0]
     assert len(before.seen) == 1 and x0.shape[0] == len(REQUESTS)
     by_length = {len(c) + len(t) - 1: (c, t) for c, t in REQUESTS}
@@ -262,7 +265,7 @@ def test_steered_removes_exactly_its_hooks(lm):
         (dict(layer=-4), r"^intervention 1: layer -4 is out of range"),
         (dict(vector=(1.0,) * 10), r"^intervention 1: vector has 10 values but this model's residual stream has 64: pass a vector of length 64$"),
         (dict(vector=(0.0,) * D, normalize=True), r"^intervention 1: vector is all zeros: pass a nonzero vector or normalize=false$"),
-        (dict(vector=(0.0,) * D, op="clamp"), r"^intervention 1: vector: clamp needs a direction: pass a nonzero vector$"),
+        (dict(vector=(0.0,) * D, op="clamp"), r"^intervention 1: vector is all zeros, but clamp needs a direction: pass a nonzero vector$"),
     ],
 )
 def test_invalid_steering_is_one_line_naming_the_intervention(lm, bad, message):

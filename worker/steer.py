@@ -41,14 +41,15 @@ class _Op:
 
     def __init__(self, vector: Any, alpha: float = 1.0, positions: str = "all") -> None:
         if positions not in POSITIONS:
-            raise SteeringError(f"positions: unknown positions {positions!r}: choose one of {', '.join(POSITIONS)}")
+            raise SteeringError(f"positions {positions!r} is unknown: choose one of {', '.join(POSITIONS)}")
         v = np.asarray(vector, dtype=np.float32)
         if v.ndim != 1 or v.size == 0:
-            raise SteeringError(f"vector: need a 1-D vector, got shape {v.shape}")
+            raise SteeringError(f"vector has shape {v.shape}: pass a non-empty 1-D vector")
         if self.unit:
             norm = float(np.linalg.norm(v))
             if norm == 0.0:
-                raise SteeringError(f"vector: {type(self).__name__.lower()} needs a direction: pass a nonzero vector")
+                op = type(self).__name__.lower()
+                raise SteeringError(f"vector is all zeros, but {op} needs a direction: pass a nonzero vector")
             v = v / norm
         self.vector = mx.array(v)
         self.alpha = float(alpha)
