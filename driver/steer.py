@@ -34,7 +34,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError
 from pydantic import field_validator
 
-from worker.spec import OPS, POSITIONS, SITES, Intervention, Steering
+from worker.load import model_shape
+from worker.spec import OPS, POSITIONS, SITES, Intervention, Steering, SteeringError
 
 __all__ = ["SteeringError", "SteeringRun", "SpecFile", "load_steering", "check", "model_shape"]
 
@@ -43,8 +44,6 @@ _SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 _NO_DIRECTION_OPS = ("ablate", "clamp")  # they use v/|v|: a zero vector has no direction
 
 
-class SteeringError(ValueError):
-    """A problem with a steering spec; the message is one line: where, which field, what to do."""
 
 
 def _fail(where: str, field: str, problem: str) -> SteeringError:
@@ -407,38 +406,4 @@ def load_steering(
 
 def check(steering: Steering, n_layers: int | None, hidden_size: int | None) -> Steering:
     """Validate against a model's shape and resolve negative layers; None skips that check (the worker repeats it)."""
-    out = []
-    for i, iv in enumerate(steering.interventions):
-        layer = iv.layer
-        if n_layers is not None:
-            layer = iv.layer + n_layers if iv.layer < 0 else iv.layer
-            if not 0 <= layer < n_layers:
-                raise SteeringError(
-                    f"interventions[{i}].layer: {iv.layer} is out of range for a model with {n_layers} layers "
-                    f"(use 0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
-                )
-        if hidden_size is not None and len(iv.vector) != hidden_size:
-            raise SteeringError(
-                f"interventions[{i}].vector: has {len(iv.vector)} values but the model's hidden size is "
-                f"{hidden_size} (use a vector made for this model, e.g. by `driver vectors`)"
-            )
-        out.append(iv if layer == iv.layer else iv.model_copy(update={"layer": layer}))
-    return Steering(interventions=tuple(out))
-
-
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")  # as worker.steer.hidden_size reads them
-
-
-def _first_int(config: Mapping, keys: tuple[str, ...]) -> int | None:
-    for source in (config, config.get("text_config") or {}):
-        for key in keys:
-            value = source.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
-def model_shape(config: Mapping) -> tuple[int | None, int | None]:
-    """(n_layers, hidden_size) from an HF config.json dict (top level, then `text_config`); None if absent."""
-    return _first_int(config, _LAYER_KEYS), _first_int(config, _WIDTH_KEYS)
+    return steering.resolve(n_layers, hidden_size)

@@ -261,11 +261,11 @@ def test_steered_removes_exactly_its_hooks(lm):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (dict(layer=3), r"^intervention 1: layer 3 is out of range for this 3-layer model: use 0\.\.2 \(or -3\.\.-1"),
-        (dict(layer=-4), r"^intervention 1: layer -4 is out of range"),
-        (dict(vector=(1.0,) * 10), r"^intervention 1: vector has 10 values but this model's residual stream has 64: pass a vector of length 64$"),
-        (dict(vector=(0.0,) * D, normalize=True), r"^intervention 1: vector is all zeros: pass a nonzero vector or normalize=false$"),
-        (dict(vector=(0.0,) * D, op="clamp"), r"^intervention 1: vector is all zeros, but clamp needs a direction: pass a nonzero vector$"),
+        (dict(layer=3), r"^interventions\[1\]\.layer: 3 is out of range for a model with 3 layers \(use 0\.\.2, or -3\.\.-1"),
+        (dict(layer=-4), r"^interventions\[1\]\.layer: -4 is out of range"),
+        (dict(vector=(1.0,) * 10), r"^interventions\[1\]\.vector: has 10 values but the model's hidden size is 64 \(use a vector made for this model"),
+        (dict(vector=(0.0,) * D, normalize=True), r"^interventions\[1\]\.vector: all zeros: pass a nonzero vector or normalize=false$"),
+        (dict(vector=(0.0,) * D, op="clamp"), r"^interventions\[1\]\.vector is all zeros, but clamp needs a direction: pass a nonzero vector$"),
     ],
 )
 def test_invalid_steering_is_one_line_naming_the_intervention(lm, bad, message):

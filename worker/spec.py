@@ -16,6 +16,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SITES = ("resid_pre", "resid_post")
+
+
+class SteeringError(ValueError):
+    """Steering that cannot apply (to this model); one line naming the intervention, the field and the fix."""
+
 OPS = ("add", "replace", "ablate", "clamp")
 POSITIONS = ("all", "prompt", "continuation", "last")
 
@@ -100,6 +105,26 @@ class Steering(BaseModel):
 
     def __bool__(self) -> bool:
         return bool(self.interventions)
+
+    def resolve(self, n_layers: int | None, hidden: int | None) -> "Steering":
+        """Checked against a model's shape (None skips that check), negative layers made non-negative."""
+        out = []
+        for i, iv in enumerate(self.interventions):
+            layer = iv.layer
+            if n_layers is not None:
+                layer = iv.layer + n_layers if iv.layer < 0 else iv.layer
+                if not 0 <= layer < n_layers:
+                    raise SteeringError(
+                        f"interventions[{i}].layer: {iv.layer} is out of range for a model with {n_layers} layers "
+                        f"(use 0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
+                    )
+            if hidden is not None and len(iv.vector) != hidden:
+                raise SteeringError(
+                    f"interventions[{i}].vector: has {len(iv.vector)} values but the model's hidden size is "
+                    f"{hidden} (use a vector made for this model, e.g. by `driver vectors`)"
+                )
+            out.append(iv if layer == iv.layer else iv.model_copy(update={"layer": layer}))
+        return Steering(interventions=tuple(out))
 
     def key(self) -> str:
         """A digest of everything that changes a number (vectors by their float32 bytes); '' when empty."""

@@ -22,11 +22,12 @@ import mlx.core as mx
 import numpy as np
 
 from .hooks import POSITIONS, Capture, Hook, HookContext, Rows
-from .spec import Steering
+from .load import model_shape
+from .spec import Steering, SteeringError
+
+__all__ = ["OPS", "Ablate", "Add", "Clamp", "Replace", "SteeringError", "hidden_size", "hooks_for", "steered"]
 
 
-class SteeringError(ValueError):
-    """Steering that cannot apply to this model; one line naming the intervention, the field and the fix."""
 
 
 def _at(positions: str, x: mx.array, ctx: HookContext, new: mx.array) -> mx.array:
@@ -115,37 +116,22 @@ OPS: dict[str, type[_Op]] = {"add": Add, "replace": Replace, "ablate": Ablate, "
 def hooks_for(steering: Steering | None, n_layers: int, hidden: int) -> list[tuple[str, Hook]]:
     """(hook point, op) per intervention, in order; negative layers count from the end."""
     out: list[tuple[str, Hook]] = []
-    for i, iv in enumerate(steering.interventions if steering else ()):
-        layer = iv.layer + n_layers if iv.layer < 0 else iv.layer
-        if not 0 <= layer < n_layers:
-            raise SteeringError(
-                f"intervention {i}: layer {iv.layer} is out of range for this {n_layers}-layer model: "
-                f"use 0..{n_layers - 1} (or -{n_layers}..-1 from the end)"
-            )
-        if len(iv.vector) != hidden:
-            raise SteeringError(
-                f"intervention {i}: vector has {len(iv.vector)} values but this model's residual stream has "
-                f"{hidden}: pass a vector of length {hidden}"
-            )
+    for i, iv in enumerate(steering.resolve(n_layers, hidden).interventions if steering else ()):
         if iv.normalize and not any(iv.vector):
-            raise SteeringError(f"intervention {i}: vector is all zeros: pass a nonzero vector or normalize=false")
+            raise SteeringError(f"interventions[{i}].vector: all zeros: pass a nonzero vector or normalize=false")
         try:
             op = OPS[iv.op](iv.array(), iv.alpha, iv.positions)
         except SteeringError as e:
-            raise SteeringError(f"intervention {i}: {e}") from None
-        out.append((f"{iv.site}.{layer}", op))
+            raise SteeringError(f"interventions[{i}].{e}") from None
+        out.append((f"{iv.site}.{iv.layer}", op))
     return out
-
-
-_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
 
 
 def hidden_size(lm) -> int:
     """The residual stream's width: from the model's config, else read off a one-token forward."""
-    for source in (lm.config, lm.config.get("text_config") or {}):
-        for key in _WIDTH_KEYS:
-            if isinstance(source.get(key), int) and source[key] > 0:
-                return source[key]
+    width = model_shape(lm.config)[1]
+    if width is not None:
+        return width
     cap = Capture("last")
     with lm.hooks.installed([("resid_pre.0", cap)]), lm.hooks.forward(Rows()):
         lm.model(mx.array([[0]]))
