@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
 from .connect import ClusterError
+from .facts import fast_blas
 
 RESOURCE = "mlx"
 MLX_HINT = "start each Mac with `ray start --address HEAD:6379 --resources='{\"mlx\": 1}'`"
@@ -58,20 +60,30 @@ def worker_count(requested: int | str, wait: float = 10.0) -> int:
     return n
 
 
+def worker_env(threads: int | None = None) -> dict | None:
+    """The runtime_env of a worker process: thread caps, and on Linux a fast BLAS preloaded when there is one."""
+    env_vars = {v: str(threads) for v in THREAD_VARS} if threads else {}
+    preload = fast_blas()
+    if preload and "LD_PRELOAD" not in os.environ:
+        env_vars["LD_PRELOAD"] = preload
+    return {"env_vars": env_vars} if env_vars else None
+
+
 def place(
     cls: type, n: int, *args: Any, max_restarts: int = 3, threads: int | None = None, per_worker: list[dict] | None = None
 ) -> list:
     """Start `n` actors of `cls`, each holding one `mlx` unit, so no two share a Mac.
 
-    `per_worker[i]` adds keyword arguments for worker i (test knobs). A crashed actor is restarted (its
+    `per_worker[i]` adds keyword arguments for worker i (its rank). A crashed actor is restarted (its
     constructor runs again) up to `max_restarts` times; its calls are never retried by Ray: the scheduler
     re-queues them. `threads` caps the BLAS/OpenMP threads of each actor (several workers on one machine).
+    On Linux the actors preload a fast BLAS when this machine has one (`cluster.facts.fast_blas`): the
+    variable must be set before the process starts, so it travels in the actor's runtime_env.
     """
     import ray
 
-    env = {"env_vars": {v: str(threads) for v in THREAD_VARS}} if threads else None
     remote = ray.remote(cls).options(
-        resources={RESOURCE: 1}, num_cpus=0, max_restarts=max_restarts, max_task_retries=0, runtime_env=env
+        resources={RESOURCE: 1}, num_cpus=0, max_restarts=max_restarts, max_task_retries=0, runtime_env=worker_env(threads)
     )
     return [remote.remote(*args, **(per_worker[i] if per_worker else {})) for i in range(n)]
 
@@ -83,6 +95,6 @@ def node_facts() -> list[dict]:
 
     from .facts import collect
 
-    task = ray.remote(collect)
-    on = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)) for n in mlx_nodes()]
+    task, env = ray.remote(collect), worker_env()  # the BLAS a worker there would run with
+    on = [task.options(num_cpus=0, runtime_env=env, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)) for n in mlx_nodes()]
     return ray.get([t.remote() for t in on])

@@ -137,8 +137,13 @@ def test_one_worker_per_mlx_node_and_counts(ray_cluster):
     finally:
         for a in actors:
             ray.kill(a)
+    from cluster.facts import fast_blas
+
+    if fast_blas():  # Linux with OpenBLAS installed: workers preload it (~10x the reference BLAS)
+        assert {f["blas"] for f in facts} == {"OpenBLAS (preloaded)"}
     facts = orchard_cluster.node_facts()
     assert len(facts) == 4 and all(f["mlx"] and f["ray"] == ray.__version__ for f in facts)
+    assert {f["blas"] for f in facts} == {"OpenBLAS (preloaded)" if fast_blas() else facts[0]["blas"]}
     assert orchard_cluster.mismatch(facts) is None
 
 
