@@ -7,6 +7,7 @@ constructor again, so the model is reloaded. Tests pass their own subclass (slow
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from worker.load import ModelLoadError, fingerprint, load
 from worker.spec import Batching, Job, ModelSpec
 
 from .connect import ClusterError
-from .facts import collect, mismatch
+from .facts import collect, mismatch, slow_blas
 from .place import place
 
 
@@ -100,26 +101,32 @@ def start(
     Raises ModelLoadError / ClusterError in one line (and stops whatever started) if any worker cannot serve.
     """
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
+
+    from .failures import describe, load_failure
 
     ranks = [{"rank": i} for i in range(n)]
     actors = place(actor_cls, n, spec, batching, max_restarts=max_restarts, threads=threads, per_worker=ranks)
     try:
-        try:
-            facts = ray.get([a.facts.remote() for a in actors])
-        except RayTaskError as e:
-            if isinstance(e.cause, ModelLoadError):
-                raise ModelLoadError(str(e.cause)) from None
-            raise
-        except RayActorError as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ClusterError(f"a worker died while starting: {first}") from None
+        refs, facts = [a.facts.remote() for a in actors], []
+        for rank, ref in enumerate(refs):  # in order, so a failure is pinned on its worker (and node)
+            try:
+                facts.append(ray.get(ref))
+            except RayTaskError as e:  # raised inside the worker
+                if isinstance(e.cause, ModelLoadError):
+                    raise ModelLoadError(load_failure(actors, rank, str(e.cause), spec.model)) from None
+                raise
+            except (RayActorError, OutOfMemoryError) as e:  # the worker process died (or Ray killed it for memory)
+                raise ClusterError(describe(e, actors, rank, doing=f"loading {spec.model}", model=spec.model)) from None
         problem = mismatch(facts)
         if problem:
             raise ClusterError(problem)
     except BaseException:
         stop(actors)
         raise
+    warning = slow_blas(facts)
+    if warning:  # once per run, in one line
+        print(warning, file=sys.stderr)
     return actors, facts
 
 

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from worker.spec import Job
+from worker.spec import Job, Steering
 
 FILE = "results.sqlite"
 
@@ -37,26 +37,50 @@ def job_prefix(ident: bytes, job: Job) -> bytes:
     return h.digest()
 
 
+def _request_bytes(kind: str, request: Any) -> bytes:
+    if kind == "loglikelihood":
+        context, continuation = request
+        return _ids(context) + _ids(continuation)
+    if kind == "generate":
+        return json.dumps(asdict(request), sort_keys=True).encode()
+    if kind == "capture":
+        tokens, position = request
+        return _ids(tokens) + struct.pack("<q", position)
+    raise ValueError(f"no cache key for request kind {kind!r}")
+
+
 def key(prefix: bytes, kind: str, request: Any) -> bytes:
     """Key of one request of a job, spelled out per kind:
     loglikelihood (context_ids, continuation_ids) · generate a GenRequest · capture (token_ids, position)."""
     h = hashlib.blake2b(prefix, digest_size=16)
-    if kind == "loglikelihood":
-        context, continuation = request
-        h.update(_ids(context) + _ids(continuation))
-    elif kind == "generate":
-        h.update(json.dumps(asdict(request), sort_keys=True).encode())
-    elif kind == "capture":
-        tokens, position = request
-        h.update(_ids(tokens) + struct.pack("<q", position))
-    else:
-        raise ValueError(f"no cache key for request kind {kind!r}")
+    h.update(_request_bytes(kind, request))
     return h.digest()
+
+
+def grid_keys(ident: bytes, kind: str, steerings: Sequence[Steering], requests: Sequence[Any]) -> list[list[bytes]]:
+    """[configuration][request] keys of a grid: each exactly `key(job_prefix(ident, Job(kind=kind, steering=s)),
+    kind, request)`, so a grid's results serve later plain runs of each configuration and the other way round."""
+    data = [_request_bytes(kind, r) for r in requests]
+    out = []
+    for steering in steerings:
+        base = hashlib.blake2b(job_prefix(ident, Job(kind=kind, steering=steering)), digest_size=16)
+        row = []
+        for d in data:
+            h = base.copy()
+            h.update(d)
+            row.append(h.digest())
+        out.append(row)
+    return out
 
 
 class Cache:
     def __init__(self, directory: str | Path):
+        from .preflight import cache_problem
+
         self.path = Path(directory).expanduser() / FILE
+        problem = cache_problem(self.path)  # a corrupt or foreign file: refused, never written to
+        if problem:
+            raise ValueError(problem)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path)
         self.db.execute("PRAGMA journal_mode=WAL")

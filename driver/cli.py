@@ -1,12 +1,20 @@
 """`driver`: run lm-eval benchmarks over Ray workers, one per Mac (`driver run`), offline demo, cluster nodes.
 
 Heavy imports (lm-eval, Ray, MLX) happen inside the commands, so `--help` is instant.
+
+Every mistake is one line on stderr (a usage error adds one hint line), never a traceback. Exit codes: 2 when
+the command line itself is wrong (a flag's value, an unknown key or task name: `preflight.BadUsage`, click's own
+errors), 1 when it names something that is not usable or something failed (a file, folder, model, cache,
+cluster, worker: `preflight.Refused` and every other error). Everything that can be checked is checked before
+the expensive part (lm-eval's task index, Ray, a model load), in `driver.preflight`'s order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +22,25 @@ from typing import Any
 
 import click
 
+from . import preflight, settings
+from .preflight import BadUsage, Refused
+
 DEMO_TASKS = "orchard_mc,orchard_ppl,orchard_gen"
+# model_args keys that have a flag of their own (a flag and a model_arg must never silently disagree)
+RUN_FLAGS = {
+    "pretrained": "--model", "batch_size": "--batch-size", "max_length": "--max-length", "workers": "--workers",
+    "address": "--address", "cache": "--cache", "dashboard": "--dashboard", "threads": "--threads", "steer": "--steer",
+}  # fmt: skip
+VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads"}
+
+
+@contextlib.contextmanager
+def _usage():
+    """Settings errors are usage errors (exit 2)."""
+    try:
+        yield
+    except settings.SettingError as e:
+        raise BadUsage(str(e)) from None
 
 
 def _seeds(value: str) -> dict[str, int | None]:
@@ -32,31 +58,14 @@ def _seeds(value: str) -> dict[str, int | None]:
 
 
 def _limit(value: str | None) -> float | int | None:
-    if value is None:
-        return None
-    try:
-        number = float(value)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a number", param_hint="--limit") from None
-    if number <= 0:
-        raise click.BadParameter(f"{value}: give a count (>= 1) or a fraction (< 1)", param_hint="--limit")
-    return number if number < 1 else int(number)
+    with _usage():
+        return settings.limit(value)
 
 
 def _task_manager(tasks: str, include_path: str | None):
-    from lm_eval.tasks import TaskManager
-
-    if include_path and not Path(include_path).is_dir():
-        raise click.UsageError(f"--include-path {include_path}: no such folder of task YAMLs")
-    manager = TaskManager(include_path=include_path)
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    unknown = [t for t in names if not manager.match_tasks([t])]
-    if unknown or not names:
-        raise click.UsageError(
-            f"unknown task {', '.join(unknown) or repr(tasks)}: list tasks with `lm_eval ls tasks`, "
-            "or pass a folder of task YAMLs with --include-path"
-        )
-    return manager, names
+    """(lm-eval's TaskManager, the task names): the quick checks first, then the index (the expensive part)."""
+    names = preflight.check_tasks(tasks, include_path)
+    return preflight.task_manager(names, include_path), names
 
 
 def _summary(info: dict, seconds: float) -> dict:
@@ -87,7 +96,41 @@ def _print_summary(summary: dict) -> None:
         click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+class _OneLineErrors(click.Group):
+    """Click's group, but every error is `Error: <one line>` on stderr (a usage error adds one hint line), with
+    exit code 2 for usage errors and 1 for the rest; never a traceback (ORCHARD_TRACEBACK=1 shows an
+    unexpected one)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            click.echo(f"Error: {_one_line(e.format_message())}", err=True)
+            if e.ctx is not None:
+                click.echo(f"Try '{e.ctx.command_path} --help' for help.", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            click.echo(f"Error: {_one_line(e.format_message())}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except Exception as e:  # a bug: still one line, unless asked for the traceback
+            if os.environ.get("ORCHARD_TRACEBACK"):
+                raise
+            detail = (str(e).strip().splitlines() or [""])[0]
+            click.echo(f"Error: internal error ({type(e).__name__}: {detail}); rerun with ORCHARD_TRACEBACK=1 for the traceback", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def main() -> None:
     """Orchard: lm-eval benchmarks across a Ray cluster of Apple-silicon Macs, one MLX model per Mac.
 
@@ -118,7 +161,6 @@ def main() -> None:
     "--output-path",
     "--output_path",
     "output_path",
-    type=click.Path(file_okay=False),
     default="orchard-out",
     show_default=True,
     help="Folder for results JSON, samples and the run summary.",
@@ -132,7 +174,6 @@ def main() -> None:
     "--cache",
     "cache",
     default=None,
-    type=click.Path(file_okay=False),
     help="Result cache folder: a rerun reuses every finished request. Default: OUTPUT_PATH/cache.",
 )
 @click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
@@ -165,24 +206,30 @@ def run(
     """
     start = time.monotonic()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    plan = Plan(
-        seeds=_seeds(seed),
-        limit=_limit(limit),
-        num_fewshot=num_fewshot,
-        batch_size=batch_size,
-        log_samples=log_samples,
-        apply_chat_template=apply_chat_template,
-        gen_kwargs=gen_kwargs,
-    )
+    with _usage():  # 0. every setting, in the user's words (exit 2)
+        plan = Plan(
+            seeds=_seeds(seed),
+            limit=settings.limit(limit),
+            num_fewshot=settings.num_fewshot(num_fewshot),
+            batch_size=str(settings.batch_size(batch_size)),
+            log_samples=log_samples,
+            apply_chat_template=apply_chat_template,
+            gen_kwargs=settings.gen_kwargs(gen_kwargs),
+        )
+        max_length, threads = settings.max_length(max_length), settings.threads(threads)
+        extra = settings.model_args(model_args, flags=RUN_FLAGS)
     _check_workers(workers)
-    plan.manager, plan.names = _task_manager(tasks, include_path)
-    from lm_eval.utils import simple_parse_args_string
-
+    preflight.check_address_syntax(address)
+    plan.names = _preflight(
+        model, extra, output_path=output_path, cache=cache, apply_chat_template=apply_chat_template, tasks=tasks,
+        include_path=include_path, steer=steer, address=address,
+    )  # fmt: skip
+    plan.manager = preflight.task_manager(plan.names, include_path)  # the expensive part starts here
     args: dict[str, Any] = {
-        **simple_parse_args_string(model_args),
+        **extra,
         "pretrained": model,
         "workers": workers,
-        "batch_size": batch_size,
+        "batch_size": int(plan.batch_size),
         "cache": cache or str(Path(output_path) / "cache"),
         "dashboard": dashboard,
     }
@@ -203,7 +250,21 @@ def _check_workers(workers: str) -> None:
     try:
         parse_workers(workers)
     except ClusterError as e:
-        raise click.UsageError(str(e)) from None
+        raise BadUsage(str(e)) from None
+
+
+def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: str | None, apply_chat_template: bool,
+               tasks: str, include_path: str | None, steer: str | None, address: str | None) -> list[str]:  # fmt: skip
+    """driver.preflight's checks in its order, before lm-eval's task index, Ray or a model; the task names."""
+    preflight.writable_folder(output_path, "--output-path")
+    preflight.check_cache(cache or Path(output_path) / "cache", "--cache" if cache else "the result cache")
+    folder = preflight.check_model(model, extra.get("revision"), extra.get("adapter_path"))
+    preflight.check_tokenizer(folder, apply_chat_template)
+    names = preflight.check_tasks(tasks, include_path)
+    if steer:
+        preflight.check_steering(steer, preflight.model_config(folder))
+    preflight.check_address(address)
+    return names
 
 
 @dataclass
@@ -216,7 +277,7 @@ class Plan:
     batch_size: str = "32"
     log_samples: bool = False
     apply_chat_template: bool = False
-    gen_kwargs: str | None = None
+    gen_kwargs: str | dict | None = None  # the CLI passes settings.gen_kwargs (checked, typed)
     manager: Any = None
     names: list[str] = field(default_factory=list)
 
@@ -267,9 +328,23 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
             **plan.seeds,
         )
     except ClusterError as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(_lost_workers(str(e), lm)) from None
     results["config"]["model"] = "mlx-ray"
     return Evaluation(results, lm.executor.info(), tracker)
+
+
+def _lost_workers(message: str, lm) -> str:
+    """'every worker is lost' + which worker died where and why (Ray's actor table), while Ray is still up."""
+    lost = "every worker is lost"
+    if lost not in message:
+        return message
+    try:
+        from cluster.failures import lost_workers
+
+        why = lost_workers(lm.executor.actors)
+    except Exception:  # the explanation is a courtesy: never hide the error itself
+        why = ""
+    return message.replace(lost, f"{lost} ({why})", 1) if why else message
 
 
 def save(done: Evaluation, output_path: str, seconds: float) -> Path:
@@ -309,6 +384,8 @@ def demo(ctx: click.Context, workers: int, folder: str) -> None:
     Writes the model (real tokenizer trained locally) and tasks (multiple choice, rolling perplexity,
     generation) under DIR, then runs `driver run` on the embedded Ray. Needs no network.
     """
+    if workers < 1:
+        raise BadUsage(f"--workers {workers}: at least 1 worker is needed")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from testbed.models import write_model
@@ -343,7 +420,7 @@ def demo(ctx: click.Context, workers: int, folder: str) -> None:
 @click.option("--site", type=click.Choice(["resid_pre", "resid_post"]), default="resid_post", show_default=True)
 @click.option("--method", type=click.Choice(["mean-diff", "pca-diff", "pca-center"]), default="mean-diff", show_default=True)
 @click.option("--position", default="last", show_default=True, help="Token whose activations are read: last, or an index (-2: second to last).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The .safetensors file to write.")
+@click.option("--out", required=True, help="The .safetensors file to write.")
 @click.option("--workers", default="all", show_default=True, help="Number of workers (one per `mlx` node), or all.")
 @click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
 @click.option("--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16.")
@@ -357,21 +434,34 @@ def vectors(
     Every pair's two texts run on the workers; the activations at POSITION are combined in a fixed order
     (mean difference by default), so the vectors do not depend on the number of workers.
     """
-    from lm_eval.utils import simple_parse_args_string
-
     from . import vectors as vec
 
-    from .lm import model_config
     from .steer import model_shape
 
     start = time.monotonic()
+    with _usage():  # settings (exit 2), then what they name (exit 1), all before a worker starts
+        threads = settings.threads(threads)
+        args = {**settings.model_args(model_args, flags=VECTORS_FLAGS), "pretrained": model, "workers": workers}
     _check_workers(workers)
-    args = {**simple_parse_args_string(model_args), "pretrained": model, "workers": workers}
-    try:  # everything that can be checked before a worker starts
-        read, at = vec.read_pairs(pairs), vec.parse_position(position)
-        resolved = vec.parse_layers(layers, model_shape(model_config(model, args.get("revision")))[0])
+    preflight.check_address_syntax(address)
+    try:
+        at = vec.parse_position(position)
     except ValueError as e:
-        raise click.ClickException(str(e).strip().splitlines()[0]) from None
+        raise BadUsage(f"--position {position}: {_one_line(str(e))}") from None
+    preflight.writable_file(out, "--out")
+    folder = preflight.check_model(model, args.get("revision"), args.get("adapter_path"))
+    preflight.check_tokenizer(folder)
+    if args.get("cache"):
+        preflight.check_cache(args["cache"], "--model-args cache")
+    try:
+        read = vec.read_pairs(pairs)
+    except ValueError as e:
+        raise Refused(str(e).strip().splitlines()[0]) from None
+    try:
+        resolved = vec.parse_layers(layers, model_shape(preflight.model_config(folder))[0])
+    except ValueError as e:
+        raise BadUsage(f"--layers {layers}: {_one_line(str(e))}") from None
+    preflight.check_address(address)
     for name, value in (("address", address), ("threads", threads)):
         if value is not None:
             args[name] = value
@@ -382,6 +472,8 @@ def vectors(
         info = lm.executor.info()
     except ValueError as e:
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
+    except RuntimeError as e:  # cluster.ClusterError: workers lost (finished captures stay in a --model-args cache)
+        raise click.ClickException(_lost_workers(str(e), lm)) from None
     finally:
         lm.executor.close()
     meta = vec.metadata(
@@ -390,6 +482,54 @@ def vectors(
     vec.write_vectors(out, found, meta)
     seconds = time.monotonic() - start
     click.echo(f"{len(found)} vectors from {len(read)} pairs on {info['workers']} workers in {seconds:.1f} s: {out}")
+
+
+@main.command("sweep")
+@click.argument("sweep_file", type=click.Path(dir_okay=False))
+@click.option("--workers", default="all", show_default=True, help="Number of workers (one per `mlx` node), or all.")
+@click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
+@click.option(
+    "--output", default=None, type=click.Path(file_okay=False), help="Output folder. Default: orchard-out/<sweep file name>."
+)
+@click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: OUTPUT/cache.")
+@click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
+def sweep_command(sweep_file: str, workers: str, address: str | None, output: str | None, cache: str | None, threads: int | None) -> None:
+    """Run a steering sweep: every configuration of SWEEP_FILE's grid (layers × alphas × ...) on its tasks and
+    prompt sets, the model loaded once per worker. Writes results.csv/.jsonl, generations.jsonl, summary.md,
+    heatmaps and line plots, and lm-eval's JSON per configuration under OUTPUT.
+
+    The whole file (model, vectors, layers, tasks, prompts) is checked before any worker starts. Every finished
+    request is cached under OUTPUT/cache: rerun an interrupted or grown sweep and only what is missing runs.
+    """
+    from . import report
+    from .sweep import SweepError, load_sweep
+    from .sweep import run as run_sweep
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _check_workers(workers)
+    try:
+        plan = load_sweep(sweep_file)
+    except SweepError as e:
+        raise click.ClickException(str(e)) from None
+    folder = Path(output) if output else Path("orchard-out") / Path(sweep_file).stem
+    preflight.writable_folder(folder, "--output")
+    preflight.check_cache(cache or folder / "cache", "--cache" if cache else "the result cache")
+    preflight.check_address(address)
+    try:
+        outcome = run_sweep(plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, echo=click.echo)
+    except KeyboardInterrupt:
+        kept = cache or folder / "cache"
+        click.echo(f"interrupted: finished requests are cached in {kept}; rerun the same command to resume", err=True)
+        raise SystemExit(130) from None
+    except ValueError as e:  # a request the model refuses (e.g. a prompt longer than the context window)
+        raise click.ClickException(" ".join(str(e).split())) from None
+    written = report.write_outputs(outcome, folder)
+    facts = report.run_facts(outcome.info, outcome.seconds)
+    click.echo(
+        f"{len(plan.grid)} configurations + baseline, {len(outcome.rows)} result rows on {facts['workers']} workers in "
+        f"{facts['wall_s']:.1f} s ({facts['requests_computed']} requests computed, {facts['requests_cached']} from cache)"
+    )
+    click.echo(f"results: {folder} (summary.md, results.csv, {2 * len(written['plots'])} plots)")
 
 
 def _sha256(path: str) -> str:
@@ -403,7 +543,9 @@ def _sha256(path: str) -> str:
 def nodes(address: str | None) -> None:
     """List the cluster's `mlx` nodes: host, OS, chip, memory and versions."""
     from cluster import ClusterError, connect, node_facts
+    from cluster.facts import slow_blas
 
+    preflight.check_address(address)  # syntax (exit 2), reachable, token authentication: no Ray yet
     try:
         connection = connect(address)
     except ClusterError as e:
@@ -417,5 +559,9 @@ def nodes(address: str | None) -> None:
     for f in facts:
         click.echo(
             f"{f['hostname']:<20} {f['node_id'][:12]}  {f['os']} {f['arch']}  {f['chip'] or '-'}  {f['memory_gb']} GB  "
-            f"python {f['python']}  mlx {f['mlx']}  mlx-lm {f['mlx-lm']}  lm-eval {f['lm_eval']}  ray {f['ray']}"
+            f"python {f['python']}  mlx {f['mlx']}  mlx-lm {f['mlx-lm']}  lm-eval {f['lm_eval']}  ray {f['ray']}  "
+            f"BLAS: {f['blas']}"
         )
+    warning = slow_blas(facts)
+    if warning:
+        click.echo(warning, err=True)

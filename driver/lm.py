@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,7 +21,9 @@ from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normaliz
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from cluster.facts import blas, fast_blas
 from worker.generate import GenRequest, truncate
+from worker.grid import run_grid
 from worker.jobs import run
 from worker.load import context_window, fingerprint, is_local, load, resolve
 from worker.spec import NO_STEERING, Batching, Job, ModelSpec, Steering
@@ -32,6 +36,7 @@ _TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*
 
 class Executor(Protocol):
     def run(self, job: Job, requests: list) -> list: ...
+    def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]: ...
     def info(self) -> dict: ...
     def close(self) -> None: ...
 
@@ -42,9 +47,17 @@ class LocalExecutor:
     def __init__(self, spec: ModelSpec, batching: Batching) -> None:
         self.lm = load(spec)
         self.batching = batching
+        if blas().startswith("reference") and fast_blas():  # a fast BLAS must be preloaded before Python starts
+            print(f"note: MLX runs on its reference BLAS here; start Python with LD_PRELOAD={fast_blas()} for ~10x", file=sys.stderr)
 
     def run(self, job: Job, requests: list) -> list:
         return run(self.lm, job, requests, self.batching)
+
+    def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]:
+        """Results [configuration][request], each equal to `run(Job(kind=kind, steering=s), requests)[i]`;
+        blocks below the configurations' lowest steered layer run once per request (worker.grid)."""
+        per_request = run_grid(self.lm, kind, list(steerings), requests, self.batching)
+        return [[r[c] for r in per_request] for c in range(len(steerings))]
 
     def info(self) -> dict:
         return {"executor": "local", "head_split": self.lm.head.split}
@@ -102,6 +115,13 @@ class OrchardLM(TemplateLM):
         for ignored in ("device", "max_batch_size"):  # lm-eval passes these to every backend
             kwargs.pop(ignored, None)
         self._init_extra(kwargs)
+        from .settings import check_model_args
+
+        given = dict(max_batch_tokens=max_batch_tokens, max_length=max_length, dtype=dtype, prefix_reuse=prefix_reuse,
+                     max_gen_toks=max_gen_toks, trust_remote_code=trust_remote_code)  # fmt: skip
+        if not str(batch_size).startswith("auto"):  # lm-eval's "auto": the default
+            given["batch_size"] = batch_size
+        check_model_args({k: v for k, v in given.items() if v is not None})  # one line in the user's words
         self.spec = ModelSpec(
             model=str(pretrained),
             adapter_path=adapter_path,
@@ -140,7 +160,11 @@ class OrchardLM(TemplateLM):
     def _init_extra(self, kwargs: dict) -> None:
         """Subclasses take their own model_args here; anything left is a mistake worth a clear error."""
         if kwargs:
-            raise ValueError(f"unknown model_args for {type(self).__name__}: {', '.join(sorted(kwargs))}")
+            from .settings import MODEL_ARGS, RAY_ONLY, closest
+
+            valid = [k for k in MODEL_ARGS if hasattr(self, "ray_args") or k not in RAY_ONLY]
+            first = sorted(kwargs)[0]
+            raise ValueError(f"unknown model_args for {type(self).__name__}: {', '.join(sorted(kwargs))}{closest(first, valid)}")
 
     def make_executor(self, spec: ModelSpec, batching: Batching) -> Executor:
         return LocalExecutor(spec, batching)
@@ -186,6 +210,23 @@ class OrchardLM(TemplateLM):
     def job(self, kind: str, **extra: Any) -> Job:
         """A job of this model's steering (every request lm-eval sends is steered the same way)."""
         return Job(kind=kind, steering=self.steering, **extra)
+
+    def steered(self, steering: Steering, record: dict | None = None):
+        """A context manager: inside it every request runs under `steering` (and `record` is what the results
+        JSON reports), as if the model had been built with it; the model's own steering is back afterwards.
+        A sweep evaluates each configuration on the one loaded model this way."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():
+            saved = self.steering, self.steering_record
+            self.steering, self.steering_record = steering, record
+            try:
+                yield self
+            finally:
+                self.steering, self.steering_record = saved
+
+        return block()
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         pairs = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]

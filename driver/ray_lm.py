@@ -8,21 +8,26 @@ module starts nothing: Ray is joined when the model is built.
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from cluster import ClusterError, Pool, WorkerActor, connect, parse_workers, start, stop, worker_count
+from worker.grid import GRID_BLOCK, split_point
+from worker.grid import KINDS as GRID_KINDS
 from worker.score import families
-from worker.spec import Batching, Job, ModelSpec
+from worker.spec import Batching, Job, ModelSpec, Steering
 
-from .cache import Cache, identity, job_prefix, key
+from .cache import Cache, grid_keys, identity, job_prefix, key
 from .lm import OrchardLM, _bool
-from .schedule import Merge, WorkersLost, cut, dispatch
+from .schedule import PER_WORKER, Merge, WorkersLost, cut, dispatch
 
 
 def _shutdown(actors: list, cache: Cache | None, connection) -> None:
@@ -140,11 +145,159 @@ class RayExecutor:
             self.seconds += time.monotonic() - start_time
         return merge.result()
 
-    def _progress(self, bar: tqdm, w: int, n: int) -> None:
+    def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]:
+        """Results [configuration][request], each equal to `run(Job(kind=kind, steering=s), requests)[i]`.
+
+        Every missing (configuration, request) cell of the whole grid goes out in one dispatch: chunks are
+        blocks of configurations x groups of requests (on the worker, worker.grid runs a chunk's unsteered
+        blocks once and each configuration only the blocks from its steered layer up). Cells are cached under
+        exactly the keys `run` uses, so a later `run` of one configuration, a rerun or a grown grid computes
+        only what is missing. One progress bar counts cells (configurations done in its postfix); info()'s
+        requests_computed / requests_cached count cells too. An empty Steering is the unsteered baseline;
+        identical configurations are computed once.
+        """
+        if kind not in GRID_KINDS:
+            raise ValueError(f"a grid runs {' or '.join(GRID_KINDS)} work, not {kind!r}")
+        start_time = time.monotonic()
+        unique: dict[str, int] = {}
+        configs: list[Steering] = []
+        owner: list[int] = []
+        for steering in steerings:
+            k = steering.key()
+            if k not in unique:
+                unique[k] = len(configs)
+                configs.append(steering)
+            owner.append(unique[k])
+        n_configs, n = len(configs), len(requests)
+        merges = [Merge(n) for _ in configs]
+        keys: list[list[bytes]] = []
+        if self.cache is not None and n:
+            keys = grid_keys(self.ident, kind, configs, requests)
+            for c, merge in enumerate(merges):
+                self._from_cache(kind, merge, keys[c])
+        costs, groups = self._plan(kind, requests)
+        chunks, chunk_costs = self._grid_chunks(configs, costs, groups, merges)
+        workers = len(self.pool.alive)
+        bar = tqdm(
+            total=n_configs * n,
+            initial=sum(m.count for m in merges),
+            unit="req",
+            desc=f"{kind} grid of {n_configs} configurations x {n} requests on {workers} workers",
+        )
+        encode = _TO_CACHE.get(kind, lambda v: v)
+        done_configs = [sum(m.count == n for m in merges)]
+
+        def submit(actor, c: int):
+            block, indices = chunks[c]
+            job = Job(kind=kind, grid=tuple(configs[g] for g in block))
+            return actor.run.remote(job, indices, [requests[i] for i in indices])
+
+        def on_result(w: int, c: int, value: tuple[list[int], list]) -> None:
+            indices, results = value
+            block = chunks[c][0]
+            cells = []
+            for j, g in enumerate(block):
+                column = [r[j] for r in results]
+                merges[g].add(indices, column)
+                done_configs[0] += merges[g].count == n
+                if self.cache is not None:
+                    cells.extend((keys[g][i], encode(r)) for i, r in zip(indices, column))
+            if cells:
+                self.cache.put(cells)
+            self._progress(bar, w, len(indices) * len(block), f"configs {done_configs[0]}/{n_configs}")
+
+        try:
+            dispatch(chunks, chunk_costs, self.pool, submit, on_result)
+        except WorkersLost as e:
+            kept = (
+                f"they are cached in {self.cache.path.parent}: rerun the same command to resume"
+                if self.cache is not None
+                else "pass --cache DIR to keep finished work"
+            )
+            finished = sum(m.count for m in merges)
+            raise ClusterError(
+                f"{e}: {finished} of {n_configs * n} (configuration, request) {kind} results finished; {kept}"
+            ) from None
+        finally:
+            bar.close()
+            self.seconds += time.monotonic() - start_time
+        results = [m.result() for m in merges]
+        return [list(results[o]) for o in owner]
+
+    def _grid_chunks(
+        self, configs: list[Steering], costs: list[int], groups: list[list[int]], merges: list[Merge]
+    ) -> tuple[list[tuple[tuple[int, ...], list[int]]], list[float]]:
+        """(configuration block, request indices) chunks covering every missing cell exactly once, and their costs.
+
+        Configurations missing the same requests are planned together: their requests cut as `run` cuts them
+        (groups kept whole), the configurations, ordered by the layer where their steering starts, in even
+        blocks of at most GRID_BLOCK. A chunk costs its request tokens x the decoder blocks it runs (the
+        unsteered ones once, each configuration's own). Few request chunks for the workers: as many blocks
+        as minimise the estimated makespan (longest chunk first onto the least loaded worker), so a large grid
+        on a small task still keeps every worker busy, at the price of running the shared blocks once per block.
+        """
+        workers = max(1, len(self.pool.alive))
+        n_layers = self.facts[0].get("n_layers") or 0
+        splits = [split_point(c, n_layers) if n_layers else 0 for c in configs]
+
+        def unit(block: tuple[int, ...]) -> float:
+            # Cost per request token, in whole-model forwards: the unsteered blocks up to the block's highest
+            # split once, each configuration its own blocks (at least a quarter block: the LM head, the gather).
+            if not n_layers:
+                return float(len(block))
+            own = sum(max(n_layers - splits[g], 0.25) for g in block)
+            return (max(splits[g] for g in block) + own) / n_layers
+
+        def blocks_of(members: list[int], nb: int) -> list[tuple[int, ...]]:
+            size, extra = divmod(len(members), nb)
+            out, at = [], 0
+            for b in range(nb):
+                out.append(tuple(members[at : at + size + (b < extra)]))
+                at += size + (b < extra)
+            return out
+
+        def makespan(tokens: list[int], blocks: list[tuple[int, ...]]) -> float:
+            loads = [0.0] * workers
+            for cost in sorted((t * unit(b) for t in tokens for b in blocks), reverse=True):
+                heapq.heapreplace(loads, loads[0] + cost)
+            return max(loads)
+
+        alike: dict[bytes, list[int]] = {}
+        for g, merge in enumerate(merges):
+            if merge.count < len(merge.filled):
+                alike.setdefault(bytes(merge.filled), []).append(g)
+        chunks: list[tuple[tuple[int, ...], list[int]]] = []
+        chunk_costs: list[float] = []
+        for filled, members in alike.items():
+            members.sort(key=lambda g: splits[g])
+            todo = [costs[i] if not filled[i] else 0 for i in range(len(costs))]
+            wanted = [g for g in ([i for i in group if not filled[i]] for group in groups) if g]
+            width = min(len(members), GRID_BLOCK)
+            request_chunks = cut(
+                todo,
+                wanted,
+                workers=workers,
+                max_tokens=max(2 * self.batching.max_batch_tokens, 16 * self.batching.max_batch_tokens // width),
+                min_tokens=max(1, self.batching.max_batch_tokens // 8),
+            )
+            tokens = [sum(todo[i] for i in indices) for indices in request_chunks]
+            fewest = math.ceil(len(members) / GRID_BLOCK)
+            best = blocks_of(members, fewest)
+            if workers > 1 and len(request_chunks) < PER_WORKER * workers:
+                options = [blocks_of(members, nb) for nb in range(fewest, max(fewest, min(len(members), 4 * workers)) + 1)]
+                spans = [makespan(tokens, blocks) for blocks in options]
+                best = next(b for b, t in zip(options, spans) if t <= 1.01 * min(spans))  # fewest blocks on a near tie
+            for indices, t in zip(request_chunks, tokens):
+                for block in best:
+                    chunks.append((block, indices))
+                    chunk_costs.append(t * unit(block))
+        return chunks, chunk_costs
+
+    def _progress(self, bar: tqdm, w: int, n: int, note: str = "") -> None:
         self.done[self.names[w]] += n
         total = sum(self.done.values())
         shares = (f"{name.split('@')[0]} {self.done[name] / total:.0%}" for name in self.names)
-        bar.set_postfix_str(" ".join(shares), refresh=False)
+        bar.set_postfix_str(" ".join([note, *shares] if note else shares), refresh=False)
         bar.update(n)
 
     def info(self) -> dict:

@@ -23,6 +23,7 @@ MMLU_CACHE = SHARED / "data" / "hf-datasets" / "cais___mmlu"
 # holding a copy of the prepared offline `cais/mmlu` cache when ../shared has one.
 _cache = Path(tempfile.mkdtemp(prefix="orchard-hf-datasets-"))
 os.environ["HF_DATASETS_CACHE"] = str(_cache)
+os.environ.setdefault("ORCHARD_HOME", str(_cache / "orchard-home"))  # the file-hash memo: not the user's ~/.cache
 if MMLU_CACHE.is_dir():
     shutil.copytree(MMLU_CACHE, _cache / MMLU_CACHE.name)
 

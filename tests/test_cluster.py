@@ -233,26 +233,132 @@ def _when_cache_has_rows(cache_dir, action):
     return thread
 
 
+class Gated(Flaky):
+    """A Flaky worker that holds each chunk, before starting it, for as long as the file `gate` exists."""
+
+    gate: str = ""
+
+    def run(self, job, indices, requests):
+        while os.path.exists(self.gate):
+            time.sleep(0.02)
+        return super().run(job, indices, requests)
+
+
 def test_a_node_removed_mid_run_loses_nothing(ray_cluster, llama_path, tasks, reference, tmp_path):
+    """Deterministic: once the first results are cached, every worker is held before its next chunk, the victim's
+    node is cut and the gate opens only when the driver has seen that worker fail, so the run cannot finish on
+    backups first: exactly one worker is lost, nothing is lost with it."""
     driver_socket = ray._private.worker.global_worker.node._raylet_socket_name
     victim = next(n for n in ray_cluster.worker_nodes if n._raylet_socket_name != driver_socket)
-    finished_at_cut: list[int] = []
+    gate, cache = tmp_path / "hold", tmp_path / "cache"
+    actor = type("Gated", (Gated,), {"delays": dict.fromkeys(range(4), 0.3), "crash_after": {}, "gate": str(gate)})
+    model = type("GatedRayLM", (MLXRayLM,), {"actor_cls": actor})
+    lm = model.create_from_arg_obj({"pretrained": str(llama_path), **MODEL_ARGS, "workers": 4, "cache": str(cache)})
+    lost = next((w for w, f in enumerate(lm.executor.facts) if f["node_id"] == victim.node_id), None)
+    seen: dict = {}
 
     def power_cut():
-        finished_at_cut.append(_rows(tmp_path))
+        gate.touch()
+        seen["finished_at_cut"] = _rows(cache)
         ray_cluster.remove_node(victim, allow_graceful=False)
+        deadline = time.monotonic() + 60
+        while lost in lm.executor.pool.alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen["lost_before_the_end"] = lost not in lm.executor.pool.alive
+        seen["finished_when_lost"] = _rows(cache)
+        gate.unlink()
 
-    thread = _when_cache_has_rows(tmp_path, power_cut)
+    if lost is None:  # one worker per node: this cannot happen
+        lm.executor.close()
+        pytest.fail(f"no worker on the victim node {victim.node_id}: {[f['node_id'] for f in lm.executor.facts]}")
+    thread = _when_cache_has_rows(cache, power_cut)
     try:
-        ours, info = run_ray(llama_path, tasks, MC, flaky(delays=dict.fromkeys(range(4), 0.5)), workers=4, cache=str(tmp_path))
+        ours = evaluate(lm, None, tasks, MC)
+        info = lm.executor.info()
     finally:
+        lm.executor.close()
         thread.join(timeout=60)
+        gate.unlink(missing_ok=True)
         ray_cluster.add_node(**NODE)
         ray_cluster.wait_for_nodes()
-    assert 0 < finished_at_cut[0] < 48  # the node went down mid-run
+    assert 0 < seen["finished_at_cut"] < 48  # the node went down mid-run
+    assert seen["lost_before_the_end"] and seen["finished_when_lost"] < 48  # its loss was seen mid-run
+    assert info["workers_alive"] == 3 and lm.executor.pool.alive == set(range(4)) - {lost}
     assert_same(ours, reference, MC)  # and Merge asserted every index arrived exactly once
-    # Whether the driver saw the lost worker fail, or a backup copy finished its chunk before Ray declared
-    # the node dead (health checks take seconds), depends on timing: `workers_alive` is 3 or 4.
+    assert sum(info["requests_computed"].values()) == 48
+
+
+# --- parity where the 64-token fixtures never go: prefix families, stop strings, EOS, truncation ----
+
+
+@pytest.fixture(scope="module")
+def long_tasks(tasks_dir, tmp_path_factory):
+    from parity_tasks import write_long_tasks
+
+    return TaskManager(include_path=str(write_long_tasks(tmp_path_factory.mktemp("long-tasks"), tasks_dir)))
+
+
+@pytest.fixture(scope="module")
+def eos_model(llama_path, tasks_dir, tmp_path_factory):
+    """The tiny llama with one more EOS id: a token its greedy answers to some (not all) generation prompts hold."""
+    import json
+    import shutil
+
+    from parity_tasks import GEN_MAX
+    from transformers import AutoTokenizer
+
+    from worker.generate import GenRequest, generate_tokens
+    from worker.load import load
+
+    tok = AutoTokenizer.from_pretrained(str(llama_path))
+    docs = [json.loads(line) for line in (tasks_dir / "gen.jsonl").read_text().splitlines()]
+    reqs = [GenRequest(tuple(tok.encode(f"Q: {d['question']}\nA:")), max_gen_toks=GEN_MAX) for d in docs]
+    outs = generate_tokens(load(str(llama_path)), reqs)
+    eos = next(t for o in outs for t in o[1:] if 0 < sum(t in p for p in outs) < len(outs) // 2)
+    path = tmp_path_factory.mktemp("models") / "tiny-llama-eos"
+    shutil.copytree(llama_path, path)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps({**config, "eos_token_id": [config["eos_token_id"], eos]}))
+    return path
+
+
+def test_families_stops_eos_and_truncation_match_in_process_model(ray_cluster, eos_model, long_tasks, monkeypatch):
+    """mlx-ray vs mlx at the model's own 512-token window: few-shot families (kept whole by the scheduler, reused
+    on the workers), generations that stop at a stop string, at EOS and at max_gen_toks."""
+    import driver.ray_lm
+    from parity_tasks import LONG_TASKS, coverage
+    from worker.load import load
+
+    cuts: list = []
+    real_cut = driver.ray_lm.cut
+    monkeypatch.setattr(driver.ray_lm, "cut", lambda costs, groups, **kw: cuts.append((costs, groups, real_cut(costs, groups, **kw))) or cuts[-1][2])
+    args = {"pretrained": str(eos_model), "batch_size": 4, "max_batch_tokens": 512}
+    reference = evaluate("mlx", args, long_tasks, LONG_TASKS)
+    lm = MLXRayLM.create_from_arg_obj({**args, "workers": 2})
+    try:
+        ours = evaluate(lm, None, long_tasks, LONG_TASKS)
+        info = lm.executor.info()
+    finally:
+        lm.executor.close()
+    for task in LONG_TASKS:
+        mine, theirs = ours["samples"][task], reference["samples"][task]
+        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in theirs]
+        for a, b in zip(mine, theirs):
+            for (x,), (y,) in zip(a["resps"], b["resps"]):
+                if task == "orchard_mc_shared":
+                    assert abs(x[0] - y[0]) <= 1e-5 and x[1] == y[1], (x, y)
+                else:
+                    assert x == y, (x, y)
+    assert len(info["requests_computed"]) == 2  # both workers took part
+    # The loglikelihood job: few-shot families (a group wider than one question's 4 answers), each in one chunk.
+    costs, groups, chunks = next(c for c in cuts if len(c[0]) == 48)
+    where = {i: n for n, chunk in enumerate(chunks) for i in chunk}
+    assert len(chunks) > 1 and max(map(len, groups)) >= 8 and max(costs) > 100, (groups, chunks)
+    assert all(len({where[i] for i in g}) == 1 for g in groups)
+    prompts = [s["arguments"][0][0] for s in ours["samples"]["orchard_gen_stops"]]
+    reached = coverage(load(str(eos_model)), prompts, lm.tok_encode)
+    assert reached["stop"] and reached["eos"] and reached["max"], reached
 
 
 def test_fast_workers_take_more_chunks(ray_cluster, llama_path, tasks):

@@ -79,8 +79,21 @@ def test_sliding_window_model_batches(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     m = with_eos(load(str(path)), [])
     reqs = [GenRequest(ids(m, p), max_gen_toks=4 + 2 * i) for i, p in enumerate(PROMPTS)]
-    one = generate_tokens(m, reqs, batch_size=1)
-    assert generate_tokens(m, reqs, batch_size=16) == one
+    assert max(len(r.context) for r in reqs) > 2 * 8 and max(r.max_gen_toks for r in reqs) > 8
+    # The oracle is mlx-lm's own loop: its plain model, its RotatingKVCache, its greedy sampler, one request at a time.
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+    from mlx_lm.utils import load as mlx_load
+
+    plain, _ = mlx_load(str(path))
+    assert [type(c) for c in make_prompt_cache(plain)][0] is RotatingKVCache
+    expected = []
+    for r in reqs:
+        steps = generate_step(mx.array(r.context), plain, max_tokens=r.max_gen_toks, prompt_cache=make_prompt_cache(plain))
+        expected.append([int(t) for t, _ in steps])
+    assert generate_tokens(m, reqs, batch_size=1) == expected
+    assert generate_tokens(m, reqs, batch_size=16) == expected
+    assert generate_tokens(m, reqs, batch_size=4) == expected
 
 
 def test_matches_transformers_greedy(lm):
@@ -172,6 +185,52 @@ def test_special_token_stop_string(llama):
     assert generate(m, [req])[0] == m.tokenizer.decode(got[:2], skip_special_tokens=True)
     calls.clear()
     assert generate_tokens(m, [dataclasses.replace(req, until=())])[0][2:] == [bos] * 4
+
+
+def _one_stops(lm, n=12):
+    """Greedy outputs (EOS off) of every prompt, and a token k of PROMPTS[3]'s output (the longest prompt: the
+    first row of its batch) that appears nowhere before it nor in any other prompt's n tokens: as EOS, it
+    ends that row only."""
+    plain = with_eos(lm, [])
+    reqs = [GenRequest(ids(lm, p), max_gen_toks=n) for p in PROMPTS]
+    outs = generate_tokens(plain, reqs, batch_size=1)
+    me = outs[3]
+    others = {t for j, o in enumerate(outs) if j != 3 for t in o}
+    # Mid-run if it can (llama); the tiny gpt2 repeats one token per prompt, so there it is the first token.
+    k = next(k for k in [*range(2, n - 2), 0, 1] if me[k] not in me[:k] and me[k] not in others)
+    return reqs, outs, k
+
+
+def test_one_rows_eos_ends_that_row_only(lm):
+    reqs, outs, k = _one_stops(lm)
+    m = with_eos(lm, [outs[3][k]])
+    expected = [o if j != 3 else o[:k] for j, o in enumerate(outs)]
+    assert [generate_tokens(m, [r])[0] for r in reqs] == expected  # each row alone
+    for batch_size in (16, 3, 2):
+        assert generate_tokens(m, reqs, batch_size=batch_size) == expected, batch_size
+
+
+def test_one_rows_stop_string_ends_that_row_only(lm):
+    reqs, outs, _ = _one_stops(lm)
+    dec = lambda t: lm.tokenizer.decode(t, skip_special_tokens=False)  # noqa: E731
+    me = outs[3]
+    texts = [dec(o) for j, o in enumerate(outs) if j != 3]
+
+    def usable(k):  # the characters token k adds: not seen before in this row, nor anywhere in the others
+        piece = dec(me[: k + 1])[len(dec(me[:k])) :]
+        return piece.strip() and "\ufffd" not in piece and piece not in dec(me[:k]) and not any(piece in t for t in texts)
+
+    k = next(k for k in [*range(2, len(me) - 2), 0, 1] if usable(k))
+    stop = dec(me[: k + 1])[len(dec(me[:k])) :]
+    stops = [dataclasses.replace(r, until=(stop,) if j == 3 else ("never-there", stop)) for j, r in enumerate(reqs)]
+    m = with_eos(lm, [])
+    expected = [o if j != 3 else o[: _first_stop(lm, me, stop)] for j, o in enumerate(outs)]
+    assert len(expected[3]) <= k + 1 < len(outs[3])
+    assert [generate_tokens(m, [r])[0] for r in stops] == expected  # each row alone
+    for batch_size in (16, 3, 2):
+        assert generate_tokens(m, stops, batch_size=batch_size) == expected, batch_size
+    texts = generate(m, stops, batch_size=16)
+    assert texts[3] == lm.tokenizer.decode(me, skip_special_tokens=True).split(stop)[0]
 
 
 def test_eos_stops_and_is_dropped(lm):

@@ -64,6 +64,48 @@ def test_simple_evaluate_matches_hf_backend(model_path, tasks_dir, hf_results, b
     assert ours["config"]["orchard"]["files"]  # model identity recorded with the results
 
 
+@pytest.fixture(scope="module")
+def long_tasks(tasks_dir, tmp_path_factory):
+    from parity_tasks import write_long_tasks
+
+    return TaskManager(include_path=str(write_long_tasks(tmp_path_factory.mktemp("long-tasks"), tasks_dir)))
+
+
+def test_prefix_families_stop_strings_and_truncation_match_hf_backend(model_path, long_tasks):
+    """The model's own 512-token window: few-shot prefixes run once per family (KV reuse), generations stop at
+    a stop string or run to max_gen_toks, and every number and text is still the hf backend's."""
+    from parity_tasks import LONG_TASKS, coverage
+
+    from driver.lm import MLXLM
+    from worker.score import families
+
+    common = dict(tasks=LONG_TASKS, task_manager=long_tasks, log_samples=True, verbosity="ERROR")
+    ref = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_path},dtype=float32", batch_size=4, device="cpu", **common)
+    ours_lm = MLXLM(pretrained=str(model_path), batch_size=8)
+    seen: list = []
+    run = ours_lm.executor.run
+    ours_lm.executor.run = lambda job, requests: seen.append((job.kind, list(requests))) or run(job, requests)
+    ours = lm_eval.simple_evaluate(model=ours_lm, **common)
+    for task in LONG_TASKS:
+        mine, theirs = ours["samples"][task], ref["samples"][task]
+        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in theirs]
+        for a, b in zip(mine, theirs):
+            for (x,), (y,) in zip(a["resps"], b["resps"]):
+                if task == "orchard_mc_shared":
+                    assert close(x[0], y[0]) and x[1] == y[1], (x, y)
+                else:
+                    assert x == y, (x, y)
+    # What the run reached: prefix families (a group wider than one input's 4 answers) ...
+    (ll,) = [r for kind, r in seen if kind == "loglikelihood"]
+    assert max(len(ctx) for ctx, _ in ll) > 100
+    assert max(map(len, families(ll, ours_lm.max_length))) >= 8
+    # ... and generations cut by a stop string and, for the llama, by max_gen_toks (the tiny gpt2 writes ":"
+    # forever, so "::::" stops every one of its answers).
+    prompts = [s["arguments"][0][0] for s in ours["samples"]["orchard_gen_stops"]]
+    reached = coverage(ours_lm.executor.lm, prompts, ours_lm.tok_encode)
+    assert reached["stop"] > 0 and (reached["max"] > 0 or model_path.name == "tiny-gpt2"), reached
+
+
 EDGE_CASES = [
     ("", " the river"),  # empty context: the prefix token conditions
     ("Question: what is water?\nAnswer:", "   three leading spaces"),

@@ -20,11 +20,20 @@ def test_context_window_from_config_and_override(llama_path, gpt2_path):
     assert context_window({}) == 2048
 
 
-@pytest.mark.parametrize("dtype,tol", [("float16", 0.1), ("bfloat16", 0.5)])
-def test_half_precision_scores_close_to_float32(llama_path, dtype, tol):
-    ref = loglikelihood(load(str(llama_path)), REQS)
-    got = loglikelihood(load(str(llama_path), dtype=dtype), REQS)
-    assert [abs(a[0] - b[0]) < tol for a, b in zip(got, ref)] == [True, True]
+# Measured |logprob - float32 logprob| on REQS: float16 9e-4 and 4e-4, bfloat16 0.041 and 0.022 (8 and 7 bits
+# of mantissa). The bounds sit a few times either side: float32 weights (0.0) or the other half type fail.
+@pytest.mark.parametrize("dtype,low,high", [("float16", 5e-5, 5e-3), ("bfloat16", 5e-3, 0.15)])
+def test_half_precision_scores_close_to_float32(llama_path, dtype, low, high):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    plain = load(str(llama_path))
+    assert {v.dtype for _, v in tree_flatten(plain.model.parameters())} == {mx.float32}
+    half = load(str(llama_path), dtype=dtype)
+    assert {v.dtype for _, v in tree_flatten(half.model.parameters())} == {getattr(mx, dtype)}
+    ref, got = loglikelihood(plain, REQS), loglikelihood(half, REQS)
+    diffs = [abs(a[0] - b[0]) for a, b in zip(got, ref)]
+    assert all(low < d < high for d in diffs), diffs
 
 
 def test_quantized_model_loads_and_scores(llama_path, tmp_path):

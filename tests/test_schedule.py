@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from driver.schedule import Merge, cut
+from driver.schedule import PER_WORKER, Merge, cut
 
 
 def _check_partition(chunks, n):
@@ -37,6 +38,21 @@ def test_budget_bounds_and_shrinks_toward_the_end():
     assert sizes == sorted(sizes, reverse=True)
 
 
+def test_each_budget_is_a_share_of_the_tokens_not_yet_cut():
+    # The documented rule, spelled out for equal costs: a chunk takes ceil(left / (PER_WORKER * workers)) tokens,
+    # within [min_tokens, max_tokens], in whole requests; the first budget is computed before anything is cut.
+    costs = [10] * 1000
+    chunks = cut(costs, [[i] for i in range(1000)], workers=2, max_tokens=300, min_tokens=20)
+    expected, left = [], sum(costs)
+    while left:
+        budget = max(20, min(300, math.ceil(left / (PER_WORKER * 2))))
+        size = min(left, budget // 10 * 10)
+        expected.append(size)
+        left -= size
+    assert [sum(costs[i] for i in c) for c in chunks] == expected
+    assert [i for c in chunks for i in c] == list(range(1000))  # equal costs: the order given
+
+
 def test_a_family_over_budget_is_split_in_order():
     costs = [10] * 30
     chunks = cut(costs, [list(range(30))], workers=1, max_tokens=100, min_tokens=100)
@@ -54,12 +70,300 @@ def test_more_workers_mean_more_chunks():
 
 def test_merge_places_by_index_and_refuses_duplicates_and_gaps():
     m = Merge(5)
+    assert m.count == 0 and m.missing() == [0, 1, 2, 3, 4]
     m.add([3, 1], ["d", "b"])
+    assert m.count == 2 and list(m.filled) == [0, 1, 0, 1, 0]
     m.add([0, 2], ["a", "c"])
-    with pytest.raises(AssertionError, match="never arrived"):
+    assert m.count == 4 and m.missing() == [4]
+    with pytest.raises(AssertionError, match=r"^1 requests never arrived \(first: \[4\]\)$"):
         m.result()
     with pytest.raises(AssertionError, match="arrived twice"):
         m.add([1], ["again"])
+    with pytest.raises(AssertionError, match="1 results for 2 requests"):
+        m.add([4, 5], ["e"])
     m.add([4], ["e"])
+    assert m.count == 5
     assert m.result() == ["a", "b", "c", "d", "e"]
     assert m.missing() == []
+    with pytest.raises(AssertionError, match=r"^7 requests never arrived \(first: \[0, 1, 2, 3, 4\]\)$"):
+        Merge(7).result()
+
+
+# --- dispatch, on a simulated cluster ----------------------------------------------------------------
+# A deterministic stand-in for the three Ray calls dispatch makes (wait, get, cancel) and for its clock: each
+# worker runs its chunks one after the other at its own speed (seconds per unit of cost), may die at a given
+# time (its unfinished chunks then fail, as Ray's RayActorError) and may come back at another.
+
+
+class RayActorError(Exception):
+    pass
+
+
+class Ref:
+    seq = 0
+
+    def __init__(self, at, value=None, error=None):
+        Ref.seq += 1
+        self.at, self.value, self.error, self.seq = at, value, error, Ref.seq
+
+
+class SimRay:
+    def __init__(self):
+        self.now = 0.0
+        self.cancelled: list[Ref] = []
+        self.waits = 0
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        assert num_returns == 1
+        self.waits += 1
+        first = min(refs, key=lambda r: (r.at, r.seq))
+        if timeout is not None and first.at > self.now + timeout:
+            self.now += timeout
+            return [], list(refs)
+        assert first.at != math.inf, "dispatch waits forever"
+        self.now = max(self.now, first.at)
+        return [first], [r for r in refs if r is not first]
+
+    def get(self, ref):
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def cancel(self, ref):
+        self.cancelled.append(ref)
+
+
+class SimWorker:
+    def __init__(self, sim, name, speed, dies_at=math.inf, back_at=None):
+        self.sim, self.name, self.speed, self.dies_at, self.back_at = sim, name, speed, dies_at, back_at
+        self.free_at = 0.0
+        self.runs: list[tuple[int, float, float]] = []  # (chunk, start, end) of each chunk it ran to the end
+        self.pending: list[Ref] = []
+        self.max_held = 0
+
+    def alive(self, t):
+        return t < self.dies_at or (self.back_at is not None and t >= self.back_at)
+
+    def submit(self, chunk, cost):
+        now = self.sim.now
+        self.pending = [r for r in self.pending if r.at > now]
+        self.max_held = max(self.max_held, len(self.pending) + 1)
+        start = max(now, self.free_at)
+        end = start + cost * self.speed
+        if not self.alive(now) or (start < self.dies_at <= end):
+            ref = Ref(max(now, min(end, self.dies_at)), error=RayActorError(self.name))
+        else:
+            ref = Ref(end, value=chunk)
+            self.runs.append((chunk, start, end))
+            self.free_at = end
+        self.pending.append(ref)
+        return ref
+
+    def revive(self):
+        if self.back_at is None:  # gone for good: Ray says so after a while
+            return Ref(max(self.sim.now, self.dies_at) + 1.0, error=RayActorError(self.name))
+        self.free_at = self.back_at
+        return Ref(self.back_at, value={"restarted": True})
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    import sys
+    import types
+
+    import driver.schedule
+
+    sim = SimRay()
+    fake = types.ModuleType("ray")
+    fake.wait, fake.get, fake.cancel = sim.wait, sim.get, sim.cancel
+    exceptions = types.ModuleType("ray.exceptions")
+    exceptions.RayActorError = RayActorError
+    fake.exceptions = exceptions
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setitem(sys.modules, "ray.exceptions", exceptions)
+    monkeypatch.setattr(driver.schedule, "time", types.SimpleNamespace(monotonic=lambda: sim.now))
+    return sim
+
+
+def run_sim(sim, workers, costs, **kw):
+    from cluster import Pool
+    from driver.schedule import dispatch
+
+    pool = Pool(workers, revive=lambda w: w.revive())
+    got: list[tuple[int, int, object]] = []
+    dispatch(
+        [[c] for c in range(len(costs))], costs, pool,
+        lambda worker, c: worker.submit(c, costs[c]), lambda w, c, value: got.append((w, c, value)), **kw,
+    )  # fmt: skip
+    return pool, got
+
+
+def test_dispatch_runs_every_chunk_once_and_a_fast_worker_takes_more(sim):
+    fast, slow = SimWorker(sim, "fast", 1.0), SimWorker(sim, "slow", 3.0)
+    costs = [1.0] * 24
+    pool, got = run_sim(sim, [fast, slow], costs)
+    assert sorted(c for _, c, _ in got) == list(range(24)) and all(v == c for _, c, v in got)
+    assert all(workers == [0] or workers == [1] for workers in ([w for w, c2, _ in got if c2 == c] for c in range(24)))
+    by_worker = [sum(1 for w, _, _ in got if w == i) for i in range(2)]
+    assert by_worker[0] >= 2 * by_worker[1] > 0, by_worker
+    assert fast.max_held == slow.max_held == 2  # one running, one queued behind it
+    # chunks are handed out in order: each worker's first two are the first four
+    assert sorted(c for c, _, _ in fast.runs[:2] + slow.runs[:2]) == [0, 1, 2, 3]
+    assert pool.alive == {0, 1} and not pool.reviving
+    assert sim.now <= 24 / (1 + 1 / 3) + 3  # close to the ideal makespan (18 s)
+
+
+def test_dispatch_depth_one_and_three(sim):
+    a, b = SimWorker(sim, "a", 1.0), SimWorker(sim, "b", 1.0)
+    run_sim(sim, [a, b], [1.0] * 12, depth=1)
+    assert a.max_held == b.max_held == 1
+    c, d = SimWorker(sim, "c", 1.0), SimWorker(sim, "d", 1.0)
+    run_sim(sim, [c, d], [1.0] * 12, depth=3)
+    assert c.max_held == d.max_held == 3
+
+
+def test_dispatch_backs_up_a_stalled_worker_and_cancels_the_copy_left_behind(sim):
+    fast, stalled = SimWorker(sim, "fast", 1.0), SimWorker(sim, "stalled", 1000.0)
+    pool, got = run_sim(sim, [fast, stalled], [1.0] * 10)
+    assert sorted(c for _, c, _ in got) == list(range(10))
+    assert all(w == 0 for w, _, _ in got)  # every result came from the fast worker
+    assert sim.now < 20  # nobody waited for the stalled worker's 1000 s chunks
+    # the stalled worker held chunks 1 and 3; the fast one ran copies of both, the one expected last (3) first
+    assert [c for c, _, _ in stalled.runs] == [1, 3]
+    assert [c for c, _, _ in fast.runs][-2:] == [3, 1]
+    assert sorted(r.value for r in sim.cancelled) == [1, 3]  # the stalled copies, no longer needed
+    assert pool.alive == {0, 1}
+
+
+def test_dispatch_gives_a_lost_workers_chunks_to_the_others(sim):
+    dies = SimWorker(sim, "dies", 1.0, dies_at=2.5)
+    a, b = SimWorker(sim, "a", 1.0), SimWorker(sim, "b", 1.0)
+    pool, got = run_sim(sim, [dies, a, b], [1.0] * 15)
+    assert sorted(c for _, c, _ in got) == list(range(15))
+    assert [c for w, c, _ in got if w == 0] == [0, 3]  # finished before the death: delivered, not run again
+    assert sum(1 for w, _, _ in got if w != 0) == 13
+    assert pool.alive == {1, 2} and not pool.reviving  # Ray was asked to bring it back, and said it is gone
+
+
+def test_dispatch_takes_back_a_revived_worker(sim):
+    flaky = SimWorker(sim, "flaky", 1.0, dies_at=1.5, back_at=4.0)
+    steady = SimWorker(sim, "steady", 1.0)
+    pool, got = run_sim(sim, [flaky, steady], [1.0] * 16)
+    assert sorted(c for _, c, _ in got) == list(range(16))
+    assert pool.alive == {0, 1} and not pool.reviving
+    assert any(start >= 4.0 for _, start, _ in flaky.runs)  # it worked again once back
+    assert sum(1 for w, _, _ in got if w == 0) >= 5
+
+
+def test_dispatch_when_every_worker_is_lost(sim):
+    from driver.schedule import WorkersLost
+
+    a, b = SimWorker(sim, "a", 1.0, dies_at=2.5), SimWorker(sim, "b", 1.0, dies_at=3.5)
+    got: list = []
+    with pytest.raises(WorkersLost, match=r"^every worker is lost$"):
+        from cluster import Pool
+        from driver.schedule import dispatch
+
+        pool = Pool([a, b], revive=lambda w: w.revive())
+        dispatch([[c] for c in range(10)], [1.0] * 10, pool, lambda w, c: w.submit(c, 1.0), lambda w, c, v: got.append(c))
+    # a's chunks 0 and 2 and b's 1 and 3 finished; 4 and 6 died with a, and b died in 7 after finishing 5
+    assert sorted(got) == [0, 1, 2, 3, 5] and pool.alive == set()
+
+
+def test_dispatch_gives_up_when_no_worker_comes_back_in_time(sim):
+    from cluster import Pool
+    from driver.schedule import WorkersLost, dispatch
+
+    late = SimWorker(sim, "late", 1.0, dies_at=1.5, back_at=100.0)
+    pool = Pool([late], revive=lambda w: w.revive())
+    with pytest.raises(WorkersLost, match=r"^every worker is lost and none came back within 30 s$"):
+        dispatch([[c] for c in range(6)], [1.0] * 6, pool, lambda w, c: w.submit(c, 1.0), lambda w, c, v: None, revive_timeout=30)
+    assert sim.now == pytest.approx(1.5 + 30)
+    gone = SimWorker(sim, "gone", 1.0, dies_at=sim.now + 0.5, back_at=sim.now + 1e6)
+    with pytest.raises(WorkersLost, match=r"none came back within 600 s$"):  # the default: ten minutes
+        dispatch([[0], [1]], [1.0, 1.0], Pool([gone], revive=lambda w: w.revive()), lambda w, c: w.submit(c, 1.0), lambda *a: None)
+    late2 = SimWorker(sim, "late2", 1.0, dies_at=sim.now + 1.5, back_at=sim.now + 20.0)
+    start = sim.now
+    pool, got = run_sim(sim, [late2], [1.0] * 6, revive_timeout=30)
+    assert sorted(c for _, c, _ in got) == list(range(6)) and sim.now > start + 20  # waited for it, and it finished
+
+
+# Exact traces of small runs: which worker got which chunk when (`w<c@t`) and whose copy of a chunk arrived
+# first (`c>w@t`), times from the start. They pin the scheduling policy (backup choice by expected finish,
+# speed estimates, depth, requeueing, revived workers, the revive timeout) decision by decision; each was
+# picked because a one-token change in dispatch alters it. If the policy changes on purpose, re-derive them.
+# (start clock, seconds per cost unit per worker, chunk costs, depth, per worker (dies at, back at), revive timeout)
+TRACES = {
+    "dies-and-returns": (
+        (0.0, [1, 3, 5], [1, 3, 2, 0.5, 0.5, 2, 2, 3], 2, [None, None, (0.5, 4)], 30.0),
+        "0<0@0 1<1@0 2<2@0 0<3@0 1<4@0 2<5@0 0>0@1 0<5@1 3>0@1.5 0<2@1.5 5>0@3.5 0<6@3.5 2<7@4 2>0@5.5 6>0@7.5 "
+        "0<4@7.5 4>0@8 0<7@8 1>1@9 7>0@11", (0, 1, 2), 1),
+    "uneven-depth-1": (
+        (1000.0, [3, 0.3, 2], [2, 2, 1, 2, 1, 3, 0.5], 1, [None, None, None], 2.0),
+        "0<0@0 1<1@0 2<2@0 1>1@0.6 1<3@0.6 3>1@1.2 1<4@1.2 4>1@1.5 1<5@1.5 2>2@2 2<6@2 5>1@2.4 1<0@2.4 6>2@3 0>1@3",
+        (0, 1, 2), 1),
+    "very-fast-and-a-death": (
+        (0.0, [50, 2], [0.2, 0.5, 3, 0.5, 0.5, 0.5, 3, 2], 2, [None, (3, 4)], 600.0),
+        "0<0@0 1<1@0 0<2@0 1<3@0 1>1@1 1<4@1 3>1@2 1<5@2 1<5@4 1<4@4 5>1@5 1<6@5 4>1@6 1<7@6 0>0@10 6>1@12 7>1@16 "
+        "1<2@16 2>1@22", (0, 1), 1),
+    "twins": (
+        (1000.0, [5, 5], [0.5, 2, 2, 0.5, 2, 2, 0.5, 0.5], 1, [None, None], 30.0),
+        "0<0@0 1<1@0 0>0@2.5 0<2@2.5 1>1@10 1<3@10 2>0@12.5 0<4@12.5 3>1@12.5 1<5@12.5 4>0@22.5 0<6@22.5 5>1@22.5 "
+        "1<7@22.5 6>0@25 7>1@25", (0, 1), 0),
+    "first-second": (
+        (0.0, [5, 0.3, 0.3], [0.2, 1, 1, 1], 1, [(3, 4), None, None], 2.0),
+        "0<0@0 1<1@0 2<2@0 1>1@0.3 1<3@0.3 2>2@0.3 2<0@0.3 0>2@0.36 3>1@0.6", (0, 1, 2), 1),
+    "ties": (
+        (1000.0, [50, 0.3, 5], [3, 0.5, 3, 3, 3], 1, [(3, 4), None, None], 30.0),
+        "0<0@0 1<1@0 2<2@0 1>1@0.15 1<3@0.15 3>1@1.05 1<4@1.05 4>1@1.95 1<0@1.95 0>1@2.85 1<2@2.85 2>1@3.75",
+        (1, 2), 1),
+    "late-return": (
+        (1000.0, [5, 1, 1], [3, 2, 3, 1, 2, 2, 1, 0.2], 1, [(1.5, 8), None, None], 2.0),
+        "0<0@0 1<1@0 2<2@0 1>1@2 1<0@2 2>2@3 2<3@3 3>2@4 2<4@4 0>1@5 1<5@5 4>2@6 2<6@6 5>1@7 1<7@7 6>2@7 7>1@7.2",
+        (1, 2), 0),
+    "died-early": (
+        (0.0, [1, 0.3], [0.5, 2, 0.5, 2, 3, 0.2, 2, 3, 2], 1, [(0.5, 4), None], 30.0),
+        "0<0@0 1<1@0 1>1@0.6 1<0@0.6 0>1@0.75 1<2@0.75 2>1@0.9 1<3@0.9 3>1@1.5 1<4@1.5 4>1@2.4 1<5@2.4 5>1@2.46 "
+        "1<6@2.46 6>1@3.06 1<7@3.06 7>1@3.96 1<8@3.96 0<8@4 8>1@4.56", (0, 1), 1),
+    "two-speeds": (
+        (1000.0, [1, 2], [1, 0.2, 3, 2, 0.5, 0.2, 2], 2, [None, None], 30.0),
+        "0<0@0 1<1@0 0<2@0 1<3@0 1>1@0.4 1<4@0.4 0>0@1 0<5@1 2>0@4 0<6@4 5>0@4.2 3>1@4.4 4>1@5.4 6>0@6.2", (0, 1), 0),
+    "busy-no-backup": (
+        (0.0, [5, 50, 5], [1, 0.2, 0.2, 1], 2, [None, None, None], 30.0),
+        "0<0@0 1<1@0 2<2@0 0<3@0 2>2@1 2<3@1 0>0@5 3>2@6 2<1@6 1>2@7", (0, 1, 2), 2),
+    "long-chunk-short-timeout": (
+        (0.0, [5, 3], [3, 0.2, 2], 1, [None, (3, 4)], 2.0),
+        "0<0@0 1<1@0 1>1@0.6 1<2@0.6 1<2@4 2>1@10 1<0@10 0>0@15", (0, 1), 1),
+    "all-within-the-first-second": (  # a clock that starts at 0: every expected finish is below 1 s
+        (0.0, [1, 0.3], [0.2, 1, 0.5], 2, [None, (3, None)], 600.0),
+        "0<0@0 1<1@0 0<2@0 0>0@0.2 1>1@0.3 1<2@0.3 2>1@0.45", (0, 1), 1),
+    "backup-dies": (
+        (1000.0, [0.3, 1], [0.2, 1, 0.2, 2], 2, [(0.5, 8), None], 600.0),
+        "0<0@0 1<1@0 0<2@0 1<3@0 0>0@0.06 2>0@0.12 0<3@0.12 1>1@1 3>1@3", (1,), 0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(TRACES))
+def test_dispatch_decisions_are_exactly_these(sim, name):
+    from cluster import Pool
+    from driver.schedule import dispatch
+
+    (start, speeds, costs, depth, deaths, revive_timeout), expected, alive, cancelled = TRACES[name]
+    sim.now = start
+    workers = [
+        SimWorker(sim, f"w{i}", s, dies_at=start + d[0] if d else math.inf, back_at=start + d[1] if d and d[1] else None)
+        for i, (s, d) in enumerate(zip(speeds, deaths))
+    ]
+    trace: list[str] = []
+
+    def submit(worker, c):
+        trace.append(f"{worker.name[1:]}<{c}@{sim.now - start:.6g}")
+        return worker.submit(c, costs[c])
+
+    pool = Pool(workers, revive=lambda w: w.revive())
+    dispatch(
+        [[c] for c in range(len(costs))], costs, pool, submit,
+        lambda w, c, value: trace.append(f"{c}>{w}@{sim.now - start:.6g}"), depth=depth, revive_timeout=revive_timeout,
+    )  # fmt: skip
+    assert " ".join(trace) == expected
+    assert tuple(sorted(pool.alive)) == alive and len(sim.cancelled) == cancelled

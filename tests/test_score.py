@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from worker.load import load
-from worker.score import MIN_SHARED_PREFIX, families, loglikelihood
+from worker.score import MIN_SHARED_PREFIX, Row, _batches, families, loglikelihood
 from worker.spec import Batching
 
 
@@ -63,6 +63,47 @@ def test_matches_one_forward_per_request(lm):
     assert got[-2] == (0.0, True)
 
 
+def greedy_continuation(lm, ctx, n):
+    """The model's own argmax tokens after ctx, in the window lm-eval gives a request of n continuation tokens."""
+    start = max(0, len(ctx) + n - (lm.max_length + 1))
+    toks = list(ctx)[start:]
+    for _ in range(n):
+        toks.append(int(mx.argmax(lm.model(mx.array([toks]))[0, -1]).item()))
+    return toks[len(toks) - n :]
+
+
+def runner_up(lm, ctx, cont, j):
+    """cont with token j replaced by the second-best token at that position (so not greedy there)."""
+    inp = (list(ctx) + list(cont))[-(lm.max_length + 1) :][:-1]
+    p = len(inp) - len(cont) + j
+    order = np.argsort(np.array(lm.model(mx.array([inp]))[0, p].astype(mx.float32)))
+    return [*cont[:j], int(order[-2]), *cont[j + 1 :]]
+
+
+@pytest.mark.parametrize("batching", [Batching(), Batching(batch_size=1, prefix_reuse=False), Batching(max_batch_tokens=64)])
+def test_the_models_own_greedy_continuation_is_greedy(lm, batching):
+    """is_greedy is True exactly where every continuation token is the argmax, next to rows where it is not."""
+    reqs = make_requests(seed=3)
+    mixed = []  # (index, expected is_greedy)
+    # 0: a family member's input, shared with three random one-token answers; 4: a 3-token continuation of
+    # the same question; 60: short context; 62: context cut to the window; 65: a long 30-token continuation.
+    for i, n in [(0, 1), (4, 3), (60, 4), (62, 2), (65, 30)]:
+        ctx = reqs[i][0]
+        g = greedy_continuation(lm, ctx, n)
+        mixed.append((len(reqs), True))
+        reqs.append((ctx, g))
+        for j in {0, n - 1}:  # the first or the last token not the argmax
+            mixed.append((len(reqs), False))
+            reqs.append((ctx, runner_up(lm, ctx, g, j)))
+    got = loglikelihood(lm, reqs, batching)
+    for i, expected in mixed:
+        ref_lp, ref_greedy = reference(lm, *reqs[i])
+        assert ref_greedy is expected
+        assert got[i][1] is expected, i
+        assert got[i][0] == pytest.approx(ref_lp, abs=1e-4 + 1e-6 * abs(ref_lp))
+    assert [got[i][1] for i in range(5)] == [False] * 5  # the random answers next to the greedy one
+
+
 @pytest.mark.parametrize(
     "batching",
     [Batching(batch_size=1), Batching(batch_size=8), Batching(batch_size=32), Batching(prefix_reuse=False), Batching(max_batch_tokens=64)],
@@ -70,7 +111,8 @@ def test_matches_one_forward_per_request(lm):
 )
 def test_batch_size_and_prefix_reuse_do_not_change_numbers(lm, batching):
     reqs = make_requests(seed=1)
-    base = loglikelihood(lm, reqs, Batching(batch_size=32))
+    # The simplest schedule: one row per forward, no shared prefix.
+    base = loglikelihood(lm, reqs, Batching(batch_size=1, prefix_reuse=False))
     got = loglikelihood(lm, reqs, batching)
     for (a, ga), (b, gb) in zip(got, base):
         assert abs(a - b) <= 1e-5 + 1e-7 * abs(b)
@@ -84,10 +126,14 @@ def test_families_keep_shared_inputs_and_prefixes_together(lm):
     # the 60 requests behind the shared few-shot block form one family
     assert max(len(g) for g in groups) == 60
     assert families(reqs, lm.max_length, reuse=False) != groups
-    # identical inputs are never split, even without prefix reuse
-    for g in families(reqs, lm.max_length, reuse=False):
-        ctxs = {tuple(reqs[i][0] + reqs[i][1][:-1]) for i in g}
-        assert len(ctxs) == 1 or len(g) == 1
+    # Exactly: question q's requests are 5q..5q+4 (four one-token answers sharing one input, then a 3-token
+    # continuation); the six odd shapes after them (60..65) share nothing, and 64 is the empty continuation.
+    odd = [[60], [61], [62], [63], [64], [65]]
+    assert sorted(groups) == sorted([list(range(60)), *odd])
+    # Without prefix reuse, identical inputs still stay together: the four answers of each question.
+    no_reuse = families(reqs, lm.max_length, reuse=False)
+    assert sorted(no_reuse) == sorted([g for q in range(12) for g in ([5 * q, 5 * q + 1, 5 * q + 2, 5 * q + 3], [5 * q + 4])] + odd)
+    assert sorted(families(reqs, 30)) == sorted(no_reuse)  # a 30-token window: no 32-token prefix left to share
 
 
 def test_short_shared_prefix_is_not_worth_a_pass(lm):
@@ -115,3 +161,71 @@ def test_qwen2_family_scores_like_its_plain_forward(tmp_path):
     for (ctx, cont), (lp, greedy) in zip(reqs, loglikelihood(lm, reqs)):
         ref_lp, ref_greedy = reference(lm, ctx, cont)
         assert lp == pytest.approx(ref_lp, abs=1e-4) and greedy == ref_greedy
+
+
+def _sizes(lengths, prefix=0, **batching):
+    rows = [Row(tuple(range(n)), [], n) for n in lengths]
+    out = _batches(rows, prefix, Batching(**batching))
+    assert [len(r.tokens) for b in out for r in b] == sorted(lengths)  # every row once, shortest first
+    return [len(b) for b in out]
+
+
+def test_batches_respect_rows_tokens_and_padding_budgets():
+    assert _sizes([10] * 8, batch_size=3) == [3, 3, 2]  # rows per forward
+    assert _sizes([10] * 6, max_batch_tokens=25) == [2, 2, 2]  # padded suffix tokens per forward
+    # after a 90-token shared prefix each row adds 10 suffix tokens, but 100 attended: at most 4 * 100 / 100 rows
+    assert _sizes([100] * 9, prefix=90, max_batch_tokens=100) == [4, 4, 1]
+    assert _sizes([100] * 9, prefix=90, max_batch_tokens=1000) == [9]
+    # padding: a fifth row of 12 after four of 10 would pad 60 tokens for 52 real ones (> 15% waste) ...
+    assert _sizes([10, 10, 10, 10, 12]) == [4, 1]
+    # ... one of 11 pads 55 for 51 (within 15%); below MIN_ROWS rows any padding is accepted
+    assert _sizes([10, 10, 10, 10, 11]) == [5]
+    assert _sizes([1, 1, 1, 40]) == [4]
+    assert _sizes([]) == []
+
+
+def _fed_tokens(lm, reqs, batching):
+    """Tokens the scoring kernel feeds through the model body (prefix passes included)."""
+    import dataclasses
+
+    fed = []
+    body = lm.head.body
+
+    def counting(x, cache=None):
+        fed.append(x.shape[0] * x.shape[1])
+        return body(x, cache=cache)
+
+    spy = dataclasses.replace(lm, head=dataclasses.replace(lm.head, body=counting))
+    return loglikelihood(spy, reqs, batching), sum(fed)
+
+
+def test_a_shared_prefix_runs_once(lm):
+    reqs = make_requests()  # 12 questions x 2 inputs behind one 51-token few-shot block
+    plain, without = _fed_tokens(lm, reqs, Batching(prefix_reuse=False))
+    reused, with_reuse = _fed_tokens(lm, reqs, Batching())
+    assert without - with_reuse >= 23 * 51 - 24 * 25  # 23 fewer copies of the block (less some extra padding)
+    for (a, ga), (b, gb) in zip(reused, plain):
+        assert abs(a - b) <= 1e-5 + 1e-7 * abs(b) and ga == gb
+
+
+@pytest.mark.parametrize("positions", ["all", "last", "prompt", "continuation"])
+def test_steering_sees_the_same_positions_with_and_without_a_shared_prefix(lm, positions):
+    from worker.steer import Add
+
+    d = lm.config.get("hidden_size") or lm.config["n_embd"]
+    add = Add(mx.random.normal((d,), key=mx.random.key(3)) * 2.0, positions=positions)
+    full = make_requests()
+    reqs = full[:20] + full[60:]  # four questions behind the few-shot block (one family), and the odd shapes
+    plain = loglikelihood(lm, reqs)
+    with lm.hooks.installed([("resid_post.0", add)]):
+        reused = loglikelihood(lm, reqs, Batching())
+        alone = loglikelihood(lm, reqs, Batching(prefix_reuse=False))
+    for (a, ga), (b, gb) in zip(reused, alone):
+        assert abs(a - b) <= 1e-4 + 1e-6 * abs(b) and ga == gb
+    # The steering did something wherever it has positions to act on: "continuation" only has the continuation
+    # tokens fed as input, so one-token continuations keep their unsteered scores.
+    acted = [i for i, (_, cont) in enumerate(reqs) if len(cont) > (1 if positions == "continuation" else 0)]
+    moved = [abs(reused[i][0] - plain[i][0]) > 1e-3 for i in acted]
+    assert sum(moved) > len(moved) // 2, positions
+    if positions == "continuation":
+        assert all(abs(reused[i][0] - plain[i][0]) <= 1e-4 for i in range(len(reqs)) if i not in acted)

@@ -185,20 +185,20 @@ def test_vectors_on_1_and_3_workers_are_identical_and_steer_a_run(ray_cluster, l
 
 
 @pytest.mark.parametrize(
-    "pairs, layers, message",
-    [
-        ("", "all", "empty"),
-        ('{"positive": "a"}\n', "all", "line 1"),
-        ('{"positive": "a", "negative": "b"}\nnot json\n', "all", "line 2"),
-        ('{"positive": "a", "negative": "b"}\n', "7", "7"),
+    "pairs, layers, message, code",
+    [  # a bad file it names: 1; a bad flag value: 2 (usage)
+        ("", "all", "empty", 1),
+        ('{"positive": "a"}\n', "all", "line 1", 1),
+        ('{"positive": "a", "negative": "b"}\nnot json\n', "all", "line 2", 1),
+        ('{"positive": "a", "negative": "b"}\n', "7", "--layers 7", 2),
     ],
 )
-def test_vectors_bad_input_is_one_line_and_writes_nothing(llama_path, tmp_path, pairs, layers, message):
+def test_vectors_bad_input_is_one_line_and_writes_nothing(llama_path, tmp_path, pairs, layers, message, code):
     path = tmp_path / "pairs.jsonl"
     path.write_text(pairs)
     out = tmp_path / "v.safetensors"
     result = vectors_cli("--model", llama_path, "--pairs", path, "--layers", layers, "--workers", 1, "--out", out)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == code, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and message in errors[0], result.output
     assert not out.exists()

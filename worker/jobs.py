@@ -10,6 +10,7 @@ from typing import Any
 
 from .capture import capture
 from .generate import generate
+from .grid import run_grid
 from .load import LoadedModel
 from .score import loglikelihood
 from .spec import Batching, Job
@@ -17,7 +18,12 @@ from .steer import steered
 
 
 def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) -> list:
-    """Results in request order: (logprob, is_greedy) pairs, generated texts, or [points, hidden] arrays."""
+    """Results in request order: (logprob, is_greedy) pairs, generated texts, or [points, hidden] arrays.
+
+    A grid job (`job.grid`) gives, per request, the list of its results under each configuration in order.
+    """
+    if job.grid:
+        return run_grid(lm, job.kind, job.grid, requests, batching)
     with steered(lm, job.steering):
         if job.kind == "loglikelihood":
             return loglikelihood(lm, requests, batching)

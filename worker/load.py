@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .hooks import HookManager, instrument
+from .identity import folder_identity
 from .spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -170,18 +170,11 @@ def resolve(path_or_repo: str, revision: str | None = None, adapter_path: str | 
 
 
 def fingerprint(path: Path) -> str:
-    """Identity of the weights and tokenizer files: names, sizes and the first and last MiB of each."""
-    h = hashlib.sha256()
-    for f in sorted(path.iterdir()):
-        if f.is_file() and (f.suffix in (".json", ".safetensors", ".model", ".txt", ".jinja") or f.name == "tokenizer.model"):
-            size = f.stat().st_size
-            h.update(f"{f.name}:{size}\n".encode())
-            with f.open("rb") as fh:
-                h.update(fh.read(1 << 20))
-                if size > 2 << 20:
-                    fh.seek(-(1 << 20), 2)
-                    h.update(fh.read())
-    return h.hexdigest()[:16]
+    """Identity of a model (or adapter) folder by content: every weight, adapter, tokenizer, config and chat
+    template file's name, size and full sha256, each file's digest remembered on disk until its stat facts
+    change (worker.identity). Any changed byte changes it, so the result cache never serves another model's
+    numbers."""
+    return folder_identity(Path(path))
 
 
 def load(spec: ModelSpec | str, **settings: Any) -> LoadedModel:

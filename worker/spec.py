@@ -13,7 +13,7 @@ import math
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SITES = ("resid_pre", "resid_post")
 
@@ -148,6 +148,17 @@ class Job(BaseModel):
     kind: Literal["loglikelihood", "generate", "capture"]
     steering: Steering = NO_STEERING
     points: tuple[str, ...] = ()  # capture only: hook points such as "resid_post.3"
+    # A grid chunk: each request runs under each of these configurations (results per request per
+    # configuration, worker.grid); `steering` stays empty. Each result's cache key is that of
+    # Job(kind=kind, steering=configuration), never this job's.
+    grid: tuple[Steering, ...] = ()
+
+    @model_validator(mode="after")
+    def _grid_alone(self) -> "Job":
+        if self.grid and (self.kind == "capture" or self.steering or self.points):
+            raise ValueError("a grid job is loglikelihood or generate work with its steering in `grid` only")
+        return self
 
     def key(self) -> str:
-        return json.dumps([self.kind, self.steering.key(), list(self.points)])
+        base = [self.kind, self.steering.key(), list(self.points)]
+        return json.dumps(base + [[s.key() for s in self.grid]] if self.grid else base)

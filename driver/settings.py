@@ -1,0 +1,227 @@
+"""Settings as users type them (`--batch-size 0`, `--model-args dtpye=float16`, `--gen-kwargs max_gen_toks=-1`):
+each checked in the user's words, one line naming the flag (or model_args key), the bad value and what is allowed.
+
+Pure and light (no lm-eval, Ray or MLX): the CLI checks every setting here before anything expensive runs, and
+`OrchardLM` checks its model_args with the same rules, so `simple_evaluate(model="mlx", ...)` says the same.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+DTYPES = ("float32", "float16", "bfloat16")
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+class SettingError(ValueError):
+    """A bad setting, in one line: where it was given, the value, and what is allowed."""
+
+
+def closest(name: str, choices: Iterable[str]) -> str:
+    """' (did you mean X?)' for the nearest choice, or ''."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _at(where: str, value: Any) -> str:
+    """"--batch-size 0" for a flag, "--model-args dtype=float8" for a key (`where` ends with "=")."""
+    return f"{where}{_show(value)}" if where.endswith("=") else f"{where} {_show(value)}"
+
+
+# --- one value -----------------------------------------------------------------------------------------------
+
+
+def whole(where: str, value: Any, minimum: int, what: str) -> int:
+    """An integer >= minimum, from an int or its text; `what` says what the number is ("rows per forward")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise SettingError(f"{_at(where, value)}: not a whole number: give an integer >= {minimum} ({what})")
+    text = str(value).strip()
+    try:
+        number = int(text)
+    except ValueError:
+        try:
+            as_float = float(text)
+        except ValueError:
+            as_float = None
+        if as_float is not None and math.isfinite(as_float) and as_float == int(as_float):
+            number = int(as_float)
+        else:
+            raise SettingError(f"{_at(where, value)}: not a whole number: give an integer >= {minimum} ({what})") from None
+    if number < minimum:
+        raise SettingError(f"{_at(where, number)}: too small: give an integer >= {minimum} ({what})")
+    return number
+
+
+def number(where: str, value: Any, what: str, *, low: float = 0.0, high: float | None = None, low_open: bool = False) -> float:
+    """A finite float in [low, high] ((low, high] when low_open)."""
+    try:
+        x = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        x = math.nan
+    bounds = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+    if not math.isfinite(x) or (x <= low if low_open else x < low) or (high is not None and x > high):
+        raise SettingError(f"{_at(where, value)}: {what}: give a number {bounds}")
+    return x
+
+
+def boolean(where: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise SettingError(f"{_at(where, value)}: not a boolean (give true or false)")
+
+
+def choice(where: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise SettingError(f"{_at(where, value)}: unknown value (choose one of {', '.join(choices)})")
+    return value
+
+
+def text(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise SettingError(f"{_at(where, value)}: give a non-empty text")
+    return value
+
+
+# --- the flags of `driver run` / `driver vectors` --------------------------------------------------------------
+
+
+def batch_size(value: Any, where: str = "--batch-size") -> int:
+    return whole(where, value, 1, "rows per forward pass")
+
+
+def max_length(value: Any, where: str = "--max-length") -> int | None:
+    if value is None:
+        return None
+    return whole(where, value, 2, "the context window in tokens; leave the flag out for the model's own")
+
+
+def num_fewshot(value: int | None) -> int | None:
+    return None if value is None else whole("--num-fewshot", value, 0, "few-shot examples per question")
+
+
+def threads(value: Any, where: str = "--threads") -> int | None:
+    return None if value is None else whole(where, value, 1, "BLAS/OpenMP threads per worker")
+
+
+def limit(value: str | None) -> float | int | None:
+    """lm-eval's --limit: a count of documents per task (a whole number >= 1) or a fraction in (0, 1)."""
+    if value is None:
+        return None
+    allowed = "give a whole number of documents per task (>= 1), or a fraction between 0 and 1"
+    try:
+        x = float(value)
+    except ValueError:
+        raise SettingError(f"--limit {value}: not a number ({allowed})") from None
+    if not math.isfinite(x) or x <= 0:
+        raise SettingError(f"--limit {value}: {allowed}")
+    if x < 1:
+        return x
+    if x != int(x):
+        raise SettingError(f"--limit {value}: not a whole number: {allowed}")
+    return int(x)
+
+
+# --- --model-args ----------------------------------------------------------------------------------------------
+
+# key -> (check(where, value) -> value, what is allowed); `pretrained`... have flags of their own in the CLI.
+_Check = Callable[[str, Any], Any]
+MODEL_ARGS: dict[str, tuple[_Check, str]] = {
+    "pretrained": (text, "a model folder or Hugging Face repo id"),
+    "batch_size": (lambda w, v: whole(w, v, 1, "rows per forward pass"), "rows per forward pass"),
+    "max_batch_tokens": (lambda w, v: whole(w, v, 1, "padded tokens per forward pass"), "padded tokens per forward"),
+    "max_length": (lambda w, v: whole(w, v, 2, "the context window in tokens"), "the context window"),
+    "adapter_path": (text, "an mlx-lm LoRA adapter folder"),
+    "dtype": (lambda w, v: choice(w, v, DTYPES), " | ".join(DTYPES)),
+    "revision": (text, "a Hub revision"),
+    "prefix_reuse": (boolean, "true | false"),
+    "max_gen_toks": (lambda w, v: whole(w, v, 1, "tokens generated at most"), "tokens generated at most"),
+    "trust_remote_code": (boolean, "true | false"),
+    "steer": (text, "a steering spec file"),
+    # mlx-ray
+    "workers": (text, "a count or all"),
+    "address": (text, "auto | local | HOST:PORT"),
+    "cache": (text, "a result-cache folder"),
+    "dashboard": (boolean, "true | false"),
+    "threads": (lambda w, v: whole(w, v, 1, "BLAS/OpenMP threads per worker"), "threads per worker"),
+    "max_restarts": (lambda w, v: whole(w, v, 0, "restarts of a crashed worker"), "restarts of a crashed worker"),
+}
+RAY_ONLY = ("workers", "address", "cache", "dashboard", "threads", "max_restarts")
+
+
+def parse_pairs(text_: str | None, flag: str) -> dict[str, str]:
+    """`k=v,k2=v2` -> {k: v} (raw text values), refusing pieces without `=`, empty keys and repeated keys."""
+    pairs: dict[str, str] = {}
+    for piece in (text_ or "").split(","):
+        if not piece.strip():
+            continue
+        key, eq, value = piece.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise SettingError(f"{flag} {piece.strip()!r}: expected key=value (comma-separated, e.g. dtype=float16,max_length=2048)")
+        if key in pairs:
+            raise SettingError(f"{flag}: {key} is given twice")
+        pairs[key] = value.strip()
+    return pairs
+
+
+def check_model_args(args: dict[str, Any], where: str = "model_args", *, allowed: Iterable[str] | None = None,
+                     flags: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Each key known (else the closest valid one is suggested) and each value in range; returns checked values.
+
+    `allowed`: the keys this model takes (default: every key); `flags`: keys the CLI sets with a flag of their own
+    (key -> flag), refused here so that a flag and a model_arg never silently disagree."""
+    keys = list(allowed) if allowed is not None else list(MODEL_ARGS)
+    flags = flags or {}
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        if key in flags:
+            raise SettingError(f"{where} {key}={_show(value)}: set it with {flags[key]} instead")
+        if key not in keys:
+            valid = [k for k in keys if k not in flags]
+            raise SettingError(f"{where}: unknown key {key!r}{closest(key, valid)} (valid keys: {', '.join(sorted(valid))})")
+        check, _ = MODEL_ARGS[key]
+        out[key] = value if value is None else check(f"{where} {key}=", value)
+    return out
+
+
+def model_args(text_: str | None, *, flags: dict[str, str], allowed: Iterable[str] | None = None,
+               where: str = "--model-args") -> dict[str, Any]:  # fmt: skip
+    """The CLI's --model-args, parsed and checked (values converted: ints, booleans)."""
+    raw = parse_pairs(text_, where)
+    return check_model_args(raw, where, allowed=allowed, flags=flags)
+
+
+# --- --gen-kwargs ----------------------------------------------------------------------------------------------
+
+_MAX_TOKENS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's aliases
+GEN_KWARGS: dict[str, _Check] = {
+    "until": lambda w, v: str(v),
+    **{k: (lambda w, v: whole(w, v, 1, "tokens generated at most")) for k in _MAX_TOKENS},
+    "do_sample": boolean,
+    "temperature": lambda w, v: number(w, v, "the sampling temperature", low=0.0),
+    "top_p": lambda w, v: number(w, v, "nucleus sampling keeps this probability mass", low=0.0, high=1.0, low_open=True),
+    "top_k": lambda w, v: whole(w, v, 0, "sample among this many top tokens, 0 for all"),
+}
+
+
+def gen_kwargs(text_: str | None) -> dict[str, Any] | None:
+    """--gen-kwargs as lm-eval reads it, each key one this backend uses, each value in range (converted)."""
+    raw = parse_pairs(text_, "--gen-kwargs")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in GEN_KWARGS:
+            raise SettingError(
+                f"--gen-kwargs: unknown key {key!r}{closest(key, GEN_KWARGS)} (valid keys: {', '.join(sorted(GEN_KWARGS))})"
+            )
+        out[key] = GEN_KWARGS[key](f"--gen-kwargs {key}=", value)
+    return out or None

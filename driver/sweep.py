@@ -1,0 +1,801 @@
+"""Steering sweeps: a grid of steering configurations (vector × site × layer × op × positions × alpha),
+each evaluated on lm-eval tasks and/or a prompt set, on workers that load the model once for the whole grid.
+
+```yaml
+model: {pretrained: ../stories260K, max_length: 256, batch_size: 16}
+vectors:
+  happy: {file: happy.safetensors}          # from `driver vectors`; the key for layer L is "{site}.{L}"
+  other: {layers: {0: v0.npy, 3: v3.npy}}    # or one file per layer
+grid:
+  layers: all                               # or [1, 2, -1]
+  alphas: [-8, -4, 4, 8]                    # alpha 0 (the baseline) is implied, computed once
+  ops: [add]                                # add | replace | ablate | clamp
+  positions: [all]                          # all | prompt | continuation | last
+  sites: [resid_post]                       # resid_pre | resid_post
+tasks: {names: [hellaswag], limit: 100, num_fewshot: 0}
+prompts:
+  - {file: prompts.jsonl, max_gen_toks: 32}   # {"prompt": ..., "targets": {"positive": " happy", "negative": " sad"}}
+```
+
+How a sweep runs (`run`): everything in the file is checked first (`load_sweep`: the schema, the model's
+shape, every vector, the tasks, the prompt set), before any worker starts or any output is written. Then one
+`mlx-ray` model is opened (the model loads once per worker) with its result cache under the output folder:
+
+1. lm-eval runs once, unsteered (the baseline); the token-level requests it sends are recorded.
+2. The executor's `run_grid` computes every (configuration, request) cell of those requests and of the prompt
+   set's requests (target log-probabilities, generations) in one chunked dispatch per request kind, each cell
+   cached as it arrives under the key a per-configuration `run` uses: a rerun computes only what is missing.
+3. lm-eval runs once per configuration with that steering, its requests answered from step 2, for lm-eval's
+   own metrics.
+
+`driver.report` turns the rows into the output folder's tables, summary and plots.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+
+from worker.spec import NO_STEERING, Intervention, Job, Steering
+
+__all__ = ["SweepError", "SweepFile", "Sweep", "Config", "Prompt", "load_sweep", "run"]
+
+_IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_DIRECTIONLESS = ("ablate", "clamp")  # ops that need a nonzero vector
+_IDENTITY_AT_ZERO = ("add", "replace")  # ops for which alpha 0 is the unsteered model
+
+
+class SweepError(ValueError):
+    """A sweep file that cannot run; the message is one line naming the file, the field (or line) and the fix."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+# --- the file's schema ---------------------------------------------------------------------------------------
+
+_Frozen = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class ModelSettings(BaseModel):
+    """The model and its settings, as `driver run` takes them (`model: PATH` is short for `{pretrained: PATH}`)."""
+
+    model_config = _Frozen
+
+    pretrained: str
+    max_length: StrictInt | None = Field(default=None, gt=1)
+    batch_size: StrictInt = Field(default=32, ge=1)
+    max_batch_tokens: StrictInt = Field(default=8192, ge=1)
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    revision: str | None = None
+    adapter_path: str | None = None
+    prefix_reuse: StrictBool = True
+    max_gen_toks: StrictInt = Field(default=256, ge=1)
+    trust_remote_code: StrictBool = False
+    threads: StrictInt | None = Field(default=None, ge=1)
+
+
+class VectorSource(BaseModel):
+    """One steering direction per layer: a `driver vectors` .safetensors file (`key` is a template, by default
+    "{site}.{layer}"), or `layers: {L: file}` with a .npy (or .safetensors) per layer."""
+
+    model_config = _Frozen
+
+    file: str | None = None
+    key: str | None = None
+    layers: dict[StrictInt, str] | None = None
+    normalize: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VectorSource:
+        if (self.file is None) == (self.layers is None):
+            raise ValueError("give exactly one of `file:` (a .safetensors from `driver vectors`) or `layers: {L: file}`")
+        if self.layers is not None and not self.layers:
+            raise ValueError("`layers:` is empty: map each layer to its vector file")
+        if self.key is not None:
+            try:
+                self.key.format(site="resid_post", layer=0)
+            except (KeyError, IndexError, ValueError):
+                raise ValueError(f"key {self.key!r}: use a template with {{site}} and {{layer}}, e.g. '{{site}}.{{layer}}'") from None
+        return self
+
+
+def _listify(v: Any) -> Any:
+    return [v] if isinstance(v, (str, int, float)) and not isinstance(v, bool) else v
+
+
+class Grid(BaseModel):
+    """The configurations: every combination of vectors × sites × layers × ops × positions × alphas."""
+
+    model_config = _Frozen
+
+    layers: Union[Literal["all"], tuple[StrictInt, ...]]
+    alphas: tuple[Annotated[float, Field(strict=True, allow_inf_nan=False)], ...]
+    ops: tuple[Literal["add", "replace", "ablate", "clamp"], ...] = ("add",)
+    positions: tuple[Literal["all", "prompt", "continuation", "last"], ...] = ("all",)
+    sites: tuple[Literal["resid_pre", "resid_post"], ...] = ("resid_post",)
+    vectors: tuple[str, ...] | None = None  # default: every vector of the file
+
+    @field_validator("layers", "alphas", "ops", "positions", "sites", "vectors", mode="before")
+    @classmethod
+    def _scalar_is_a_list(cls, v: Any, info) -> Any:
+        if v == "all" or (info.field_name == "layers" and isinstance(v, str)):
+            return v
+        return _listify(v)
+
+    @field_validator("ops", "positions", "sites", "vectors", "layers", "alphas")
+    @classmethod
+    def _nonempty_unique(cls, v: Any) -> Any:
+        if v == "all" or v is None:
+            return v
+        if not v:
+            raise ValueError("is empty: list at least one value")
+        seen = [x for i, x in enumerate(v) if x in v[:i]]
+        if seen:
+            raise ValueError(f"{seen[0]!r} is listed twice")
+        return v
+
+
+class Tasks(BaseModel):
+    """lm-eval tasks, evaluated once per configuration (lm-eval's own metrics)."""
+
+    model_config = _Frozen
+
+    names: tuple[str, ...]
+    limit: Annotated[float, Field(gt=0)] | None = None
+    num_fewshot: StrictInt | None = Field(default=None, ge=0)
+    include_path: str | None = None
+    gen_kwargs: str | None = None
+    apply_chat_template: StrictBool = False
+    seed: StrictInt | None = None  # one seed for python, numpy, torch and few-shot sampling (lm-eval's defaults if unset)
+
+    @field_validator("names", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @field_validator("names")
+    @classmethod
+    def _nonempty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("is empty: name at least one lm-eval task")
+        return v
+
+
+class PromptSet(BaseModel):
+    """A JSONL of {"prompt": ..., optional "targets": {name: continuation}}: generations per configuration and,
+    where a prompt has targets, each target's log-probability (and positive − negative, the behaviour score)."""
+
+    model_config = _Frozen
+
+    file: str
+    name: str | None = None  # default: the file's stem
+    generate: StrictBool = True
+    max_gen_toks: StrictInt = Field(default=64, ge=1)
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    seed: StrictInt = 0  # with temperature > 0: each (prompt, seed) draws the same sample on any worker
+    until: tuple[str, ...] = ()
+
+    @field_validator("until", mode="before")
+    @classmethod
+    def _until(cls, v: Any) -> Any:
+        return _listify(v)
+
+
+class SweepFile(BaseModel):
+    """The whole sweep file."""
+
+    model_config = _Frozen
+
+    model: ModelSettings
+    vectors: dict[str, VectorSource]
+    grid: Grid
+    tasks: Tasks | None = None
+    prompts: tuple[PromptSet, ...] = ()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, v: Any) -> Any:
+        return {"pretrained": v} if isinstance(v, (str, os.PathLike)) else v
+
+    @field_validator("vectors", mode="before")
+    @classmethod
+    def _vectors(cls, v: Any) -> Any:
+        if isinstance(v, (str, os.PathLike)):  # one file: named by its stem
+            v = {Path(v).stem: v}
+        if isinstance(v, Mapping):
+            return {k: ({"file": os.fspath(s)} if isinstance(s, (str, os.PathLike)) else s) for k, s in v.items()}
+        return v
+
+    @field_validator("vectors")
+    @classmethod
+    def _vector_names(cls, v: dict) -> dict:
+        if not v:
+            raise ValueError("is empty: name at least one vector source")
+        bad = [k for k in v if not _IDENT.match(k)]
+        if bad:
+            raise ValueError(f"name {bad[0]!r}: use letters, digits, '_' and '-'")
+        return v
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompts(cls, v: Any) -> Any:
+        if v is None:
+            return ()
+        if isinstance(v, (str, os.PathLike)):
+            return [{"file": os.fspath(v)}]
+        return [v] if isinstance(v, Mapping) else v
+
+    @model_validator(mode="after")
+    def _something_to_evaluate(self) -> SweepFile:
+        if self.tasks is None and not self.prompts:
+            raise ValueError("nothing to evaluate: give `tasks:` (lm-eval tasks), `prompts:` (a prompt set), or both")
+        return self
+
+
+# --- pydantic errors as one line ---------------------------------------------------------------------------
+
+_MODELS = {"": SweepFile, "model": ModelSettings, "grid": Grid, "tasks": Tasks, "prompts": PromptSet, "vectors": VectorSource}
+
+
+def _is_tag(part: Any) -> bool:
+    """Union members and validators that pydantic puts in an error's location."""
+    return isinstance(part, str) and part.startswith(("function-", "literal[", "tuple[", "union["))
+
+
+def _loc(loc: Sequence) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_tag(part):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _explain(err: dict) -> str:
+    kind, loc, value = err["type"], [p for p in err["loc"] if not _is_tag(p)], err.get("input")
+    text = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    if kind == "missing":
+        return "missing (this field is required)"
+    if kind == "extra_forbidden":
+        top = str(loc[0]) if len(loc) > 1 else ""
+        model = _MODELS.get(top, SweepFile) if top != "vectors" or len(loc) > 2 else SweepFile
+        allowed = list(model.model_fields)
+        near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        return f"unknown field ({'did you mean ' + repr(near[0]) + '? ' if near else ''}allowed: {', '.join(allowed)})"
+    if kind == "literal_error":
+        return f"{text} is not allowed ({err['msg'].replace('Input should be ', 'use ')})"
+    if kind.startswith("int_"):
+        return f"must be an integer, not {text}"
+    if kind == "finite_number":
+        return f"must be a finite number, not {text}"
+    if kind.startswith("float_"):
+        return f"must be a number, not {text}"
+    if kind.startswith("bool_"):
+        return f"must be true or false, not {text}"
+    if kind in ("greater_than", "greater_than_equal"):
+        return err["msg"].replace("Input should be", "must be") + f", not {text}"
+    if kind == "value_error":
+        return err["msg"].removeprefix("Value error, ")
+    if kind in ("list_type", "tuple_type"):
+        return f"must be a list, not {text}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"must be a mapping of fields, not {text}"
+    if kind.startswith("string_"):
+        return f"must be a string, not {text}"
+    return err["msg"]
+
+
+def _validate(data: Any, where: str) -> SweepFile:
+    if not isinstance(data, Mapping):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise SweepError(f"{where}: the sweep file is {kind}; it must be a mapping with model, vectors, grid and tasks/prompts")
+    try:
+        return SweepFile.model_validate(dict(data))
+    except ValidationError as e:
+        errors = sorted(e.errors(), key=lambda err: (err["type"] != "extra_forbidden", err["type"] == "missing"))
+        first = errors[0]
+        if first["type"] == "literal_error" and first["loc"][:1] == ("grid",) and first["loc"][1:2] == ("layers",):
+            first = {**first, "type": "value_error", "msg": f"{first['input']!r}: give a list of layers or 'all'"}
+        more = f" [and {len(errors) - 1} more problem(s)]" if len(errors) > 1 else ""
+        path = _loc(first["loc"])
+        raise SweepError(_one_line(f"{where}: {path + ': ' if path else ''}{_explain(first)}{more}")) from None
+
+
+def _read_yaml(path: Path) -> Any:
+    import yaml
+
+    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise SweepError(f"{path}: not a sweep file: use a .yaml, .yml or .json file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SweepError(f"{path}: no such file (check the path)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SweepError(_one_line(f"{path}: cannot read the file ({type(e).__name__}: {e})")) from None
+    try:
+        return yaml.safe_load(text)  # JSON is YAML
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise SweepError(_one_line(f"{path}: malformed YAML{at}: {getattr(e, 'problem', None) or e}")) from None
+
+
+# --- the resolved sweep ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One steering configuration of the grid (the baseline: every field None, no interventions)."""
+
+    id: str
+    steering: Steering
+    vector: str | None = None
+    site: str | None = None
+    layer: int | None = None
+    op: str | None = None
+    positions: str | None = None
+    alpha: float | None = None  # None: the baseline, or an op that takes no alpha (ablate)
+    record: dict | None = None  # what goes into lm-eval's results JSON (config.orchard.steering)
+
+    @property
+    def fields(self) -> dict:
+        return {"config": self.id, "vector": self.vector, "layer": self.layer, "site": self.site, "op": self.op,
+                "positions": self.positions, "alpha": 0.0 if self.id == BASELINE else self.alpha}  # fmt: skip
+
+
+BASELINE = "baseline"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    targets: dict[str, str]
+    line: int
+
+
+@dataclass
+class Sweep:
+    """A checked sweep: the file, the model's arguments, every configuration, the prompt sets, the lm-eval plan."""
+
+    path: Path
+    spec: SweepFile
+    model_args: dict
+    n_layers: int
+    configs: list[Config]  # the baseline first
+    prompt_sets: dict[str, tuple[PromptSet, list[Prompt]]] = field(default_factory=dict)
+    plan: Any = None  # cli.Plan for the lm-eval tasks, or None
+
+    @property
+    def grid(self) -> list[Config]:
+        return self.configs[1:]
+
+
+def _resolve_model(pretrained: str, base: Path) -> str:
+    near = base / Path(pretrained).expanduser()
+    return str(near.resolve()) if not Path(pretrained).is_absolute() and near.exists() else pretrained
+
+
+def _layers(grid: Grid, n_layers: int, where: str) -> list[int]:
+    if grid.layers == "all":
+        return list(range(n_layers))
+    out = []
+    for layer in grid.layers:
+        if not -n_layers <= layer < n_layers:
+            raise SweepError(
+                f"{where}: grid.layers: {layer} is out of range for a model with {n_layers} layers "
+                f"(use 0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
+            )
+        resolved = layer % n_layers
+        if resolved in out:
+            raise SweepError(f"{where}: grid.layers: {layer} is layer {resolved}, which is already listed")
+        out.append(resolved)
+    return out
+
+
+def _load_vector(name: str, source: VectorSource, site: str, layer: int, directionless: bool, shape, base: Path, where: str):
+    """The checked `Intervention` (alpha 1, op add) for one vector at one site and layer, and its record."""
+    from .steer import SteeringError, check, load_steering
+
+    label = f"vectors.{name}"
+    if source.layers is not None:
+        file = source.layers.get(layer)
+        if file is None:
+            negative = {k % shape[0]: f for k, f in source.layers.items() if -shape[0] <= k < shape[0]}
+            file = negative.get(layer)
+        if file is None:
+            listed = ", ".join(map(str, sorted(source.layers)))
+            raise SweepError(f"{where}: {label}.layers: no vector for layer {layer} (it has layers {listed}); add one or drop the layer from grid.layers")
+        label += f".layers.{layer}"
+    else:
+        file = source.file
+    ref: dict = {"file": file}
+    if file.lower().endswith(".safetensors"):
+        ref["key"] = (source.key or "{site}.{layer}").format(site=site, layer=layer)
+    elif source.key is not None and source.file is not None:
+        raise SweepError(f"{where}: {label}.key: `key` applies only to .safetensors files; remove it")
+    spec = {"interventions": [{"layer": layer, "site": site, "op": "ablate" if directionless else "add",
+                               "vector": ref, "normalize": source.normalize}]}  # fmt: skip
+    try:
+        loaded = load_steering(spec, base_dir=base)
+        steering = check(loaded.steering, *shape)
+    except SteeringError as e:
+        text = str(e)
+        for prefix in ("steering spec (dict): interventions[0].vector", "steering spec (dict): interventions[0]", "steering spec (dict)"):
+            if text.startswith(prefix):
+                text = text[len(prefix) :]
+                break
+        text = re.sub(r"^\.(file|key)", lambda m: "" if source.layers is not None else m.group(0), text)
+        text = text.replace("interventions[0].", "")
+        raise SweepError(_one_line(f"{where}: {label}{text} (layer {layer}, site {site})")) from None
+    return steering.interventions[0].model_copy(update={"op": "add"}), loaded.record["vectors"][0]
+
+
+def _fmt_alpha(alpha: float) -> str:
+    return f"{alpha:+g}"
+
+
+def _configs(spec: SweepFile, layers: list[int], shape, base: Path, where: str) -> list[Config]:
+    g = spec.grid
+    names = list(g.vectors) if g.vectors is not None else list(spec.vectors)
+    unknown = [n for n in names if n not in spec.vectors]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], list(spec.vectors), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise SweepError(f"{where}: grid.vectors: no vector named {unknown[0]!r} ({hint}the file has: {', '.join(spec.vectors)})")
+    directionless = any(op in _DIRECTIONLESS for op in g.ops)
+    configs = [Config(BASELINE, NO_STEERING)]
+    loaded: dict[tuple[str, str, int], tuple[Intervention, dict]] = {}
+    for name, site, op, positions, layer in itertools.product(names, g.sites, g.ops, g.positions, layers):
+        if (name, site, layer) not in loaded:  # each vector read and checked once, whatever the ops and positions
+            loaded[(name, site, layer)] = _load_vector(name, spec.vectors[name], site, layer, directionless, shape, base, where)
+        base_iv, vrecord = loaded[(name, site, layer)]
+        if op == "ablate":
+            alphas: list[float | None] = [None]  # ablate takes no alpha: one configuration
+        else:
+            alphas = [a for a in g.alphas if not (a == 0 and op in _IDENTITY_AT_ZERO)]  # alpha 0: the baseline
+        for alpha in alphas:
+            iv: Intervention = base_iv.model_copy(update={"op": op, "positions": positions, "alpha": 1.0 if alpha is None else float(alpha)})
+            steering = Steering(interventions=(iv,))
+            cid = f"{name}.{site}.L{layer}.{op}.{positions}" + ("" if alpha is None else f".a{_fmt_alpha(alpha)}")
+            written = {"layer": layer, "site": site, "op": op, "positions": positions, "alpha": iv.alpha, "normalize": iv.normalize,
+                       "vector": {"source": name, **{k: vrecord[k] for k in ("path", "key")}}}  # fmt: skip
+            record = {"source": str(Path(where).absolute()), "sweep_config": cid, "spec": {"interventions": [written]},
+                      "vectors": [vrecord], "key": steering.key(), "resolved_layers": [layer]}  # fmt: skip
+            configs.append(Config(cid, steering, name, site, layer, op, positions, alpha, record))
+    if len(configs) == 1:
+        raise SweepError(
+            f"{where}: grid: empty (every alpha is 0, which is the baseline for ops {', '.join(_IDENTITY_AT_ZERO)}): "
+            "list nonzero alphas"
+        )
+    return configs
+
+
+def read_prompts(path: Path, where: str) -> list[Prompt]:
+    """A prompt set: one {"prompt": str, optional "targets": {name: str}} per line; blank lines skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SweepError(f"{where}: prompts: {path} does not exist") from None
+    except IsADirectoryError:
+        raise SweepError(f"{where}: prompts: {path} is a folder, not a JSONL file") from None
+    except UnicodeDecodeError as e:
+        raise SweepError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
+    prompts: list[Prompt] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        at = f"{path}: line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SweepError(f"{at}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise SweepError(f"{at}: expected a JSON object with a \"prompt\", got {type(obj).__name__}")
+        unknown = sorted(set(obj) - {"prompt", "targets"})
+        if unknown:
+            raise SweepError(f"{at}: unknown field {unknown[0]!r} (allowed: prompt, targets)")
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise SweepError(f"{at}: \"prompt\" must be a non-empty string")
+        targets = obj.get("targets", {})
+        if not isinstance(targets, dict):
+            raise SweepError(f"{at}: \"targets\" must be an object such as {{\"positive\": \" happy\", \"negative\": \" sad\"}}")
+        for name, target in targets.items():
+            if not _IDENT.match(name):
+                raise SweepError(f"{at}: target name {name!r}: use letters, digits, '_' and '-'")
+            if not isinstance(target, str) or not target:
+                raise SweepError(f"{at}: target {name!r} must be a non-empty string")
+        prompts.append(Prompt(prompt, dict(targets), n))
+    if not prompts:
+        raise SweepError(f"{path}: no prompts (the file is empty): write one JSON object per line")
+    return prompts
+
+
+_MANAGERS: dict[str | None, Any] = {}
+
+
+def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
+    from lm_eval.tasks import TaskManager
+
+    from .cli import Plan, _seeds
+
+    include = None
+    if tasks.include_path is not None:
+        include = str((base / Path(tasks.include_path).expanduser()).resolve())
+        if not Path(include).is_dir():
+            raise SweepError(f"{where}: tasks.include_path: {include} is not a folder of task YAMLs")
+    if include not in _MANAGERS:  # indexing lm-eval's tasks takes seconds: once per process and folder
+        _MANAGERS[include] = TaskManager(include_path=include)
+    manager = _MANAGERS[include]
+    unknown = [t for t in tasks.names if not manager.match_tasks([t])]
+    if unknown:
+        raise SweepError(
+            f"{where}: tasks.names: unknown task {unknown[0]!r} (list tasks with `lm_eval ls tasks`, or give tasks.include_path)"
+        )
+    limit = tasks.limit if tasks.limit is None or tasks.limit < 1 else int(tasks.limit)
+    seeds = _seeds(str(tasks.seed) if tasks.seed is not None else "0,1234,1234,1234")
+    return Plan(
+        seeds=seeds, limit=limit, num_fewshot=tasks.num_fewshot, batch_size=str(batch_size),
+        apply_chat_template=tasks.apply_chat_template, gen_kwargs=tasks.gen_kwargs, manager=manager, names=list(tasks.names),
+    )  # fmt: skip
+
+
+def load_sweep(path: str | os.PathLike) -> Sweep:
+    """Read and check a sweep file against its model, vectors, tasks and prompt sets; starts no worker."""
+    from worker.load import ModelLoadError, context_window
+
+    from .lm import model_config
+    from .steer import model_shape
+
+    path = Path(path).expanduser()
+    where = str(path)
+    spec = _validate(_read_yaml(path), where)
+    base = path.absolute().parent
+    m = spec.model
+    pretrained = _resolve_model(m.pretrained, base)
+    try:
+        config = model_config(pretrained, m.revision)
+    except (OSError, ValueError, ModelLoadError) as e:
+        raise SweepError(_one_line(f"{where}: model.pretrained: cannot read the model's config.json ({e})")) from None
+    shape = model_shape(config)
+    if shape[0] is None:
+        raise SweepError(f"{where}: model.pretrained: the model's config.json does not give its number of layers")
+    layers = _layers(spec.grid, shape[0], where)
+    configs = _configs(spec, layers, shape, base, where)
+    window = context_window(config, m.max_length)
+    prompt_sets: dict[str, tuple[PromptSet, list[Prompt]]] = {}
+    for i, ps in enumerate(spec.prompts):
+        name = ps.name or Path(ps.file).stem
+        if not _IDENT.match(name):
+            raise SweepError(f"{where}: prompts[{i}].name: {name!r}: use letters, digits, '_' and '-'")
+        if name in prompt_sets or (spec.tasks is not None and name in spec.tasks.names):
+            raise SweepError(f"{where}: prompts[{i}].name: {name!r} is used twice; give each prompt set its own name")
+        if ps.generate and ps.max_gen_toks >= window:
+            raise SweepError(f"{where}: prompts[{i}].max_gen_toks: {ps.max_gen_toks} must be less than the context window ({window})")
+        prompt_sets[name] = (ps, read_prompts(base / Path(ps.file).expanduser(), where))
+    plan = _plan(spec.tasks, base, where, m.batch_size) if spec.tasks is not None else None
+    args = {k: v for k, v in m.model_dump().items() if v is not None and k != "threads"}
+    args["pretrained"] = pretrained
+    if m.adapter_path is not None:
+        args["adapter_path"] = str((base / Path(m.adapter_path).expanduser()).resolve())
+    if m.threads is not None:
+        args["threads"] = m.threads
+    return Sweep(path, spec, args, shape[0], configs, prompt_sets, plan)
+
+
+# --- running it -----------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """An executor that passes jobs through and remembers each call's (kind, requests)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def run(self, job: Job, requests: list) -> list:
+        self.calls.append((job.kind, list(requests)))
+        return self.inner.run(job, requests)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _Replay:
+    """An executor that answers the recorded calls, in order, from a configuration's grid results; anything else
+    (lm-eval asked for different requests) goes to the real executor, which serves it from the cache or computes it."""
+
+    def __init__(self, inner, calls: list, answers: list, steering: Steering) -> None:
+        self.inner, self.calls, self.answers, self.steering = inner, calls, answers, steering
+        self.next, self.missed = 0, 0
+
+    def run(self, job: Job, requests: list) -> list:
+        i, self.next = self.next, self.next + 1
+        if i < len(self.calls) and job.steering == self.steering and self.calls[i] == (job.kind, list(requests)):
+            return list(self.answers[i])
+        self.missed += len(requests)
+        return self.inner.run(job, requests)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _swapped_executor(lm, executor):
+    import contextlib
+
+    @contextlib.contextmanager
+    def block():
+        saved, lm.executor = lm.executor, executor
+        try:
+            yield executor
+        finally:
+            lm.executor = saved
+
+    return block()
+
+
+def _encode_target(lm, context: str, continuation: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """lm-eval's tokenization of a (context, continuation) pair (TemplateLM.loglikelihood)."""
+    ctx, cont = lm._encode_pair(context, continuation)
+    return tuple(ctx), tuple(cont)
+
+
+@dataclass
+class Outcome:
+    """What a sweep produced, for `driver.report`."""
+
+    sweep: Sweep
+    rows: list[dict]  # tidy: one per configuration × metric
+    generations: list[dict]
+    lm_eval: dict[str, dict]  # configuration id -> lm-eval's results (without samples)
+    info: dict  # the executor's facts
+    seconds: float
+    higher_is_better: dict[tuple[str, str], bool | None]
+
+
+def _mean_stderr(values: Sequence[float]) -> tuple[float, float | None]:
+    a = np.asarray(values, dtype=np.float64)
+    return float(a.mean()), (float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else None)
+
+
+def _prompt_rows(name: str, prompts: list[Prompt], logprobs: dict[tuple[int, str], float]) -> list[tuple[str, float, float | None, int]]:
+    """(metric, value, stderr, n) for one configuration on one prompt set."""
+    rows = []
+    names = sorted({t for p in prompts for t in p.targets}, key=lambda t: (t not in ("positive", "negative"), t != "positive", t))
+    for t in names:
+        values = [logprobs[(i, t)] for i, p in enumerate(prompts) if t in p.targets]
+        rows.append((f"logprob_{t}", *_mean_stderr(values), len(values)))
+    both = [i for i, p in enumerate(prompts) if "positive" in p.targets and "negative" in p.targets]
+    if both:
+        diff = [logprobs[(i, "positive")] - logprobs[(i, "negative")] for i in both]
+        rows.append(("logprob_diff", *_mean_stderr(diff), len(diff)))
+        prob = [1.0 / (1.0 + math.exp(-d)) for d in diff]  # p(positive) / (p(positive) + p(negative))
+        rows.append(("p_positive", *_mean_stderr(prob), len(prob)))
+    return rows
+
+
+_PROMPT_HIGHER = {"logprob_negative": False}
+
+
+def _lm_eval_rows(results: dict) -> tuple[list[tuple[str, str, float, float | None, int | None]], dict]:
+    """(task, metric, value, stderr, n) from lm-eval's results, and {(task, metric): higher_is_better}."""
+    rows, better = [], {}
+    n_samples = results.get("n-samples", {})
+    for task, metrics in results.get("results", {}).items():
+        for name, value in metrics.items():
+            if "," not in name or "_stderr," in name or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            metric, filt = name.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            stderr = float(stderr) if isinstance(stderr, (int, float)) and not isinstance(stderr, bool) else None
+            label = metric if filt == "none" else f"{metric},{filt}"
+            n = (n_samples.get(task) or {}).get("effective")
+            rows.append((task, label, float(value), stderr, n))
+            better[(task, label)] = (results.get("higher_is_better", {}).get(task) or {}).get(metric)
+    return rows, better
+
+
+def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, output: Path, cache: str | None = None,
+        threads: int | None = None, echo=print) -> Outcome:  # fmt: skip
+    """Run a checked sweep on one `mlx-ray` model; returns the rows (nothing is written here but the cache
+    and lm-eval's results JSON per configuration)."""
+    from .cli import evaluate, open_model
+
+    start = time.monotonic()
+    args = {**sweep.model_args, "workers": workers, "cache": cache or str(output / "cache")}
+    for name, value in (("address", address), ("threads", threads)):
+        if value is not None:
+            args[name] = value
+    configs, steerings = sweep.configs, [c.steering for c in sweep.configs]
+    lm = open_model(args)
+    try:
+        echo(f"sweep: {len(configs) - 1} configurations + the baseline on {lm.executor.info()['workers']} workers")
+        # 1. lm-eval, unsteered: the baseline's metrics, and the requests every configuration sends
+        calls: list = []
+        results: dict[str, dict] = {}
+        if sweep.plan is not None:
+            recorder = _Recorder(lm.executor)
+            with _swapped_executor(lm, recorder):
+                results[BASELINE] = evaluate(lm, args, sweep.plan, str(output)).results
+            calls = recorder.calls
+        # 2. every (configuration, request) cell, one dispatch per request kind
+        wanted: dict[str, list] = {"loglikelihood": [], "generate": []}
+        for kind, requests in calls:
+            wanted[kind].extend(requests)
+        targets, gens = [], []  # (prompt set, prompt index, target name) / (prompt set, prompt index)
+        for name, (ps, prompts) in sweep.prompt_sets.items():
+            for i, p in enumerate(prompts):
+                for t, continuation in p.targets.items():
+                    targets.append((name, i, t))
+                    wanted["loglikelihood"].append(_encode_target(lm, p.text, continuation))
+                if ps.generate:
+                    gen_kwargs = {"until": list(ps.until), "max_gen_toks": ps.max_gen_toks, "temperature": ps.temperature,
+                                  "do_sample": ps.temperature > 0}  # fmt: skip
+                    gens.append((name, i))
+                    wanted["generate"].append(lm.generation_request(p.text, gen_kwargs, ps.seed))
+        answers = {}
+        for kind, requests in wanted.items():
+            if requests:
+                echo(f"sweep: {len(requests)} {kind} requests × {len(configs)} configurations")
+                answers[kind] = lm.executor.run_grid(kind, steerings, requests)
+        # 3. lm-eval per configuration, answered from the grid
+        if sweep.plan is not None:
+            offsets: dict[str, int] = {"loglikelihood": 0, "generate": 0}
+            spans = []
+            for kind, requests in calls:
+                spans.append((kind, offsets[kind], len(requests)))
+                offsets[kind] += len(requests)
+            for c, config in enumerate(configs[1:], 1):
+                per_call = [answers[kind][c][o : o + n] for kind, o, n in spans]
+                replay = _Replay(lm.executor, calls, per_call, config.steering)
+                with lm.steered(config.steering, config.record), _swapped_executor(lm, replay):
+                    results[config.id] = evaluate(lm, args, sweep.plan, str(output)).results
+                if replay.missed:
+                    echo(f"sweep: {config.id}: lm-eval sent {replay.missed} requests the baseline did not; computed them apart")
+        info = lm.executor.info()
+    finally:
+        lm.executor.close()
+    return _outcome(sweep, configs, results, answers, targets, gens, calls, info, time.monotonic() - start)
+
+
+def _outcome(sweep, configs, results, answers, targets, gens, calls, info, seconds) -> Outcome:
+    rows, generations, better = [], [], {}
+    n_task_ll = sum(len(r) for k, r in calls if k == "loglikelihood")
+    n_task_gen = sum(len(r) for k, r in calls if k == "generate")
+    for c, config in enumerate(configs):
+        if config.id in results:
+            found, hib = _lm_eval_rows(results[config.id])
+            better.update(hib)
+            rows += [{**config.fields, "task": t, "metric": m, "value": v, "stderr": s, "n": n} for t, m, v, s, n in found]
+        for name, (ps, prompts) in sweep.prompt_sets.items():
+            logprobs = {
+                (i, t): float(answers["loglikelihood"][c][n_task_ll + j][0]) for j, (s, i, t) in enumerate(targets) if s == name
+            }
+            for metric, value, stderr, n in _prompt_rows(name, prompts, logprobs):
+                rows.append({**config.fields, "task": name, "metric": metric, "value": value, "stderr": stderr, "n": n})
+                better[(name, metric)] = _PROMPT_HIGHER.get(metric, True)
+            for j, (s, i) in enumerate(gens):
+                if s == name:
+                    text = answers["generate"][c][n_task_gen + j]
+                    generations.append({**config.fields, "prompt_set": name, "index": i, "line": prompts[i].line,
+                                        "prompt": prompts[i].text, "text": text})  # fmt: skip
+    baseline = {(r["task"], r["metric"]): r["value"] for r in rows if r["config"] == BASELINE}
+    for r in rows:
+        b = baseline.get((r["task"], r["metric"]))
+        r["delta"] = None if b is None else r["value"] - b
+    lm_eval_results = {k: {key: v for key, v in r.items() if key != "samples"} for k, r in results.items()}
+    return Outcome(sweep, rows, generations, lm_eval_results, info, seconds, better)
