@@ -244,7 +244,8 @@ def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bo
             raise ClusterError(f"this process is already connected to Ray at {current}: it cannot also join {address}")
         return Connection(current, embedded=False)
     target, source = resolve(address)
-    quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
+    # Workers' own output stays in their Ray logs: the driver reports their failures itself, in one line.
+    quiet = {"logging_level": logging.WARNING, "log_to_driver": False}
     if target == LOCAL:
         # Ray's note that it turned token auth on for the embedded session (loopback only) is not news here.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)

@@ -12,17 +12,16 @@ the expensive part (lm-eval's task index, Ray, a model load), in `driver.preflig
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 
 from . import preflight, settings
+from .evaluation import Plan, evaluate, lost_workers_line, open_model, parse_seeds, save
 from .preflight import BadUsage, Refused
 
 DEMO_TASKS = "orchard_mc,orchard_ppl,orchard_gen"
@@ -43,20 +42,6 @@ def _usage():
         raise BadUsage(str(e)) from None
 
 
-def _seeds(value: str) -> dict[str, int | None]:
-    """lm-eval's --seed: one integer for all four seeds, or four comma-separated values (None keeps one unset)."""
-    parts = [p.strip() for p in value.split(",")]
-    if len(parts) == 1:
-        parts *= 4
-    if len(parts) != 4:
-        raise click.BadParameter(f"{value!r}: give one integer or four comma-separated ones", param_hint="--seed")
-    try:
-        seeds = [None if p == "None" else int(p) for p in parts]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a list of integers", param_hint="--seed") from None
-    return dict(zip(("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seeds))
-
-
 def _limit(value: str | None) -> float | int | None:
     with _usage():
         return settings.limit(value)
@@ -66,34 +51,6 @@ def _task_manager(tasks: str, include_path: str | None):
     """(lm-eval's TaskManager, the task names): the quick checks first, then the index (the expensive part)."""
     names = preflight.check_tasks(tasks, include_path)
     return preflight.task_manager(names, include_path), names
-
-
-def _summary(info: dict, seconds: float) -> dict:
-    per_worker = {
-        name: {"requests": n, "requests_per_s": info["requests_per_s"][name]} for name, n in sorted(info["requests_computed"].items())
-    }
-    return {
-        "address": info["address"],
-        "workers": info["workers"],
-        "workers_alive": info["workers_alive"],
-        "nodes": info["nodes"],
-        "requests": sum(info["requests_computed"].values()) + info["requests_cached"],
-        "requests_cached": info["requests_cached"],
-        "per_worker": per_worker,
-        "scoring_s": info["seconds"],
-        "wall_s": round(seconds, 3),
-        "cache": info["cache"],
-        "worker_facts": info["facts"],
-    }
-
-
-def _print_summary(summary: dict) -> None:
-    click.echo(
-        f"\n{summary['workers']} workers on {summary['nodes']} node{'s' * (summary['nodes'] != 1)} ({summary['address']}): "
-        f"{summary['requests']} requests ({summary['requests_cached']} from cache) in {summary['wall_s']:.1f} s"
-    )
-    for name, row in summary["per_worker"].items():
-        click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s")
 
 
 def _one_line(message: str) -> str:
@@ -208,7 +165,7 @@ def run(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with _usage():  # 0. every setting, in the user's words (exit 2)
         plan = Plan(
-            seeds=_seeds(seed),
+            seeds=parse_seeds(seed),
             limit=settings.limit(limit),
             num_fewshot=settings.num_fewshot(num_fewshot),
             batch_size=str(settings.batch_size(batch_size)),
@@ -265,106 +222,6 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
         preflight.check_steering(steer, preflight.model_config(folder))
     preflight.check_address(address)
     return names
-
-
-@dataclass
-class Plan:
-    """How lm-eval runs the tasks: everything `simple_evaluate` takes besides the model."""
-
-    seeds: dict[str, int | None]
-    limit: float | int | None = None
-    num_fewshot: int | None = None
-    batch_size: str = "32"
-    log_samples: bool = False
-    apply_chat_template: bool = False
-    gen_kwargs: str | dict | None = None  # the CLI passes settings.gen_kwargs (checked, typed)
-    manager: Any = None
-    names: list[str] = field(default_factory=list)
-
-
-def open_model(args: dict[str, Any]):
-    """The `mlx-ray` lm-eval model, workers started; bad settings and cluster problems as one-line errors."""
-    from cluster import ClusterError
-
-    from .ray_lm import MLXRayLM
-
-    try:
-        return MLXRayLM.create_from_arg_obj(args)
-    except ValueError as e:  # ModelLoadError, SteeringError, bad model_args
-        raise click.ClickException(str(e).strip().splitlines()[0]) from None
-    except ClusterError as e:
-        raise click.ClickException(str(e)) from None
-
-
-@dataclass
-class Evaluation:
-    results: dict  # what simple_evaluate returned
-    info: dict  # the executor's facts: workers, requests per worker, seconds
-    tracker: Any  # lm-eval's EvaluationTracker, which knows where and how to write the results
-
-
-def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Evaluation:
-    """lm-eval's `simple_evaluate` on an open model (a sweep calls this once per steering configuration)."""
-    import lm_eval
-    from lm_eval.loggers import EvaluationTracker
-
-    from cluster import ClusterError
-
-    tracker = EvaluationTracker(output_path=output_path)
-    try:
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            model_args=model_args,
-            tasks=plan.names,
-            num_fewshot=plan.num_fewshot,
-            batch_size=plan.batch_size,
-            limit=plan.limit,
-            log_samples=plan.log_samples,
-            evaluation_tracker=tracker,
-            apply_chat_template=plan.apply_chat_template,
-            gen_kwargs=plan.gen_kwargs,
-            task_manager=plan.manager,
-            verbosity="WARNING",
-            **plan.seeds,
-        )
-    except ClusterError as e:
-        raise click.ClickException(_lost_workers(str(e), lm)) from None
-    results["config"]["model"] = "mlx-ray"
-    return Evaluation(results, lm.executor.info(), tracker)
-
-
-def _lost_workers(message: str, lm) -> str:
-    """'every worker is lost' + which worker died where and why (Ray's actor table), while Ray is still up."""
-    lost = "every worker is lost"
-    if lost not in message:
-        return message
-    try:
-        from cluster.failures import lost_workers
-
-        why = lost_workers(lm.executor.actors)
-    except Exception:  # the explanation is a courtesy: never hide the error itself
-        why = ""
-    return message.replace(lost, f"{lost} ({why})", 1) if why else message
-
-
-def save(done: Evaluation, output_path: str, seconds: float) -> Path:
-    """Write lm-eval's results JSON (and samples) and Orchard's summary; print the tables. Returns the folder."""
-    from lm_eval.utils import handle_non_serializable, make_table
-
-    results, tracker = dict(done.results), done.tracker
-    samples = results.pop("samples", None)
-    tracker.save_results_aggregated(results=results, samples=samples)
-    for task in results["configs"] if samples else ():
-        tracker.save_results_samples(task_name=task, samples=samples[task])
-    summary = _summary(done.info, seconds)
-    folder = Path(output_path) / tracker.general_config_tracker.model_name_sanitized
-    (folder / f"summary_{tracker.date_id}.json").write_text(json.dumps(summary, indent=2, default=handle_non_serializable))
-    click.echo(make_table(results))
-    if "groups" in results:
-        click.echo(make_table(results, "groups"))
-    _print_summary(summary)
-    click.echo(f"results: {folder}")
-    return folder
 
 
 @main.command()
@@ -473,7 +330,7 @@ def vectors(
     except ValueError as e:
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
     except RuntimeError as e:  # cluster.ClusterError: workers lost (finished captures stay in a --model-args cache)
-        raise click.ClickException(_lost_workers(str(e), lm)) from None
+        raise click.ClickException(lost_workers_line(str(e), lm)) from None
     finally:
         lm.executor.close()
     meta = vec.metadata(

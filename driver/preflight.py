@@ -25,7 +25,7 @@ import os
 import sqlite3
 import tempfile
 from pathlib import Path
-from typing import Any
+
 
 import click
 

@@ -532,7 +532,7 @@ _MANAGERS: dict[str | None, Any] = {}
 def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
     from lm_eval.tasks import TaskManager
 
-    from .cli import Plan, _seeds
+    from .evaluation import Plan, parse_seeds
 
     include = None
     if tasks.include_path is not None:
@@ -548,7 +548,7 @@ def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
             f"{where}: tasks.names: unknown task {unknown[0]!r} (list tasks with `lm_eval ls tasks`, or give tasks.include_path)"
         )
     limit = tasks.limit if tasks.limit is None or tasks.limit < 1 else int(tasks.limit)
-    seeds = _seeds(str(tasks.seed) if tasks.seed is not None else "0,1234,1234,1234")
+    seeds = parse_seeds(str(tasks.seed) if tasks.seed is not None else "0,1234,1234,1234")
     return Plan(
         seeds=seeds, limit=limit, num_fewshot=tasks.num_fewshot, batch_size=str(batch_size),
         apply_chat_template=tasks.apply_chat_template, gen_kwargs=tasks.gen_kwargs, manager=manager, names=list(tasks.names),
@@ -713,7 +713,7 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         threads: int | None = None, echo=print) -> Outcome:  # fmt: skip
     """Run a checked sweep on one `mlx-ray` model; returns the rows (nothing is written here but the cache
     and lm-eval's results JSON per configuration)."""
-    from .cli import evaluate, open_model
+    from .evaluation import evaluate, open_model
 
     start = time.monotonic()
     args = {**sweep.model_args, "workers": workers, "cache": cache or str(output / "cache")}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors.numpy import save_file
 
 from driver.cli import main
-from test_cluster import MC, TASKS, assert_same, evaluate, run_ray
+from test_cluster import MC, assert_same, evaluate, run_ray
 
 HIDDEN, LAYERS = 64, 2  # conftest's tiny llama
 

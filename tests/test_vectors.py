@@ -3,7 +3,6 @@ directions, the safetensors output, and one-line errors for bad pairs files."""
 
 from __future__ import annotations
 
-import json
 
 import mlx.core as mx
 import numpy as np
