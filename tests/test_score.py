@@ -173,6 +173,7 @@ def _sizes(lengths, prefix=0, **batching):
 def test_batches_respect_rows_tokens_and_padding_budgets():
     assert _sizes([10] * 8, batch_size=3) == [3, 3, 2]  # rows per forward
     assert _sizes([10] * 6, max_batch_tokens=25) == [2, 2, 2]  # padded suffix tokens per forward
+    assert _sizes([10] * 6, max_batch_tokens=20) == [2, 2, 2]  # the budget itself is allowed
     # after a 90-token shared prefix each row adds 10 suffix tokens, but 100 attended: at most 4 * 100 / 100 rows
     assert _sizes([100] * 9, prefix=90, max_batch_tokens=100) == [4, 4, 1]
     assert _sizes([100] * 9, prefix=90, max_batch_tokens=1000) == [9]
@@ -181,22 +182,32 @@ def test_batches_respect_rows_tokens_and_padding_budgets():
     # ... one of 11 pads 55 for 51 (within 15%); below MIN_ROWS rows any padding is accepted
     assert _sizes([10, 10, 10, 10, 11]) == [5]
     assert _sizes([1, 1, 1, 40]) == [4]
+    assert _sizes([19, 19, 19, 20, 20, 23]) == [6]  # exactly 15%: 6 x 23 = 138 = 1.15 x 120, still one forward
+    # the waste is counted per forward: the first one's real tokens do not excuse the second one's pads
+    assert _sizes([1] * 5 + [10, 10, 10, 10, 12], batch_size=5) == [5, 4, 1]
     assert _sizes([]) == []
 
 
-def _fed_tokens(lm, reqs, batching):
-    """Tokens the scoring kernel feeds through the model body (prefix passes included)."""
+def _forwards(lm, reqs, batching=None):
+    """(results, tokens fed through the model body, shared-prefix passes) of one loglikelihood call."""
     import dataclasses
 
-    fed = []
+    fed, prefix_passes = [], []
     body = lm.head.body
 
     def counting(x, cache=None):
         fed.append(x.shape[0] * x.shape[1])
+        if cache is not None and cache[0].offset == 0:  # a fresh cache: the prefix pass fills it
+            prefix_passes.append(x.shape[1])
         return body(x, cache=cache)
 
     spy = dataclasses.replace(lm, head=dataclasses.replace(lm.head, body=counting))
-    return loglikelihood(spy, reqs, batching), sum(fed)
+    return loglikelihood(spy, reqs, batching), sum(fed), prefix_passes
+
+
+def _fed_tokens(lm, reqs, batching):
+    results, fed, _ = _forwards(lm, reqs, batching)
+    return results, fed
 
 
 def test_a_shared_prefix_runs_once(lm):
@@ -206,6 +217,69 @@ def test_a_shared_prefix_runs_once(lm):
     assert without - with_reuse >= 23 * 51 - 24 * 25  # 23 fewer copies of the block (less some extra padding)
     for (a, ga), (b, gb) in zip(reused, plain):
         assert abs(a - b) <= 1e-5 + 1e-7 * abs(b) and ga == gb
+    # One prefix pass: the few-shot block (51 tokens, up to the first scored position of its shortest row); the
+    # long single rows (first scored position >= 32) are not families of one.
+    _, _, passes = _forwards(lm, reqs, Batching())
+    assert len(passes) == 1 and passes[0] >= 51, passes
+    assert _forwards(lm, reqs, Batching(prefix_reuse=False))[2] == []
+
+
+def test_a_prefix_of_exactly_min_shared_tokens_is_shared(lm):
+    shared = [1] + list(range(100, 100 + MIN_SHARED_PREFIX - 1))  # MIN_SHARED_PREFIX tokens
+    reqs = [(shared + [7, 8], [9]), (shared + [10], [11, 12])]
+    assert families(reqs, lm.max_length) == [[0, 1]]
+    got, _, passes = _forwards(lm, reqs)
+    assert passes == [MIN_SHARED_PREFIX]
+    for (ctx, cont), (lp, greedy) in zip(reqs, got):
+        ref_lp, ref_greedy = reference(lm, ctx, cont)
+        assert lp == pytest.approx(ref_lp, abs=1e-4) and greedy == ref_greedy
+    one_less = [(shared[1:] + [7, 8], [9]), (shared[1:] + [10], [11])]
+    assert sorted(families(one_less, lm.max_length)) == [[0], [1]] and _forwards(lm, one_less)[2] == []
+
+
+def test_same_input_with_another_context_boundary_shares_a_row(lm):
+    ctx, cont = [1, 40, 50, 60, 70], [80, 90, 100]
+    reqs = [(ctx, cont), (ctx + cont[:1], cont[1:]), (ctx + cont[:2], cont[2:])]
+    assert families(reqs, lm.max_length, reuse=False) == [[0, 1, 2]]  # one input: one row, unsteered
+    got, fed, _ = _forwards(lm, reqs)
+    assert fed == len(ctx) + 2  # one forward of that input
+    for (c, x), (lp, _) in zip(reqs, got):
+        assert lp == pytest.approx(reference(lm, c, x)[0], abs=1e-4)
+
+
+def test_prompt_and_continuation_positions_of_a_row(lm):
+    """The Rows the kernel gives hooks: the context tokens are the prompt, fed continuation tokens follow."""
+    seen = []
+
+    def record(x, ctx):
+        B, S, _ = x.shape
+        seen.append((ctx.rows.mask("prompt", B, S).tolist(), ctx.rows.mask("continuation", B, S).tolist()))
+        return x
+
+    reqs = [([1, 40, 50, 60, 70], [80, 90, 100]), ([1, 41], [5])]
+    with lm.hooks.installed([("resid_pre.0", record)]):
+        loglikelihood(lm, reqs, Batching(prefix_reuse=False, batch_size=1))
+    # the rows run shortest first: [1, 41] (prompt only), then the 5 + 2 tokens of the first request
+    assert seen == [([[True, True]], [[False, False]]), ([[True] * 5 + [False] * 2], [[False] * 5 + [True] * 2])]
+
+
+def test_sliding_window_model_scores_without_prefix_reuse(tmp_path):
+    """Rotating KV caches cannot share a prefix: families fall back to full forwards, numbers unchanged."""
+    import json
+
+    from testbed.models import write_model
+
+    path = write_model(tmp_path / "swa", arch="llama")
+    config = json.loads((path / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    (path / "config.json").write_text(json.dumps(config))
+    lm = load(str(path), max_length=96)
+    reqs = make_requests()[:15] + make_requests()[60:64]
+    got, _, passes = _forwards(lm, reqs)
+    assert passes == []
+    for (ctx, cont), (lp, greedy) in zip(reqs, got):
+        ref_lp, ref_greedy = reference(lm, ctx, cont)
+        assert lp == pytest.approx(ref_lp, abs=1e-4 + 1e-6 * abs(ref_lp)) and greedy == ref_greedy
 
 
 @pytest.mark.parametrize("positions", ["all", "last", "prompt", "continuation"])
@@ -221,6 +295,15 @@ def test_steering_sees_the_same_positions_with_and_without_a_shared_prefix(lm, p
         reused = loglikelihood(lm, reqs, Batching())
         alone = loglikelihood(lm, reqs, Batching(prefix_reuse=False))
     for (a, ga), (b, gb) in zip(reused, alone):
+        assert abs(a - b) <= 1e-4 + 1e-6 * abs(b) and ga == gb
+    # Same input, other boundary between context and continuation: one row unsteered, two rows when the
+    # steering tells prompt from continuation; each checked against a call of its own.
+    ctx, cont = full[4]  # a 3-token continuation
+    split = [(ctx, cont), (ctx + cont[:1], cont[1:]), (ctx + cont[:2], cont[2:])]
+    with lm.hooks.installed([("resid_post.0", add)]):
+        together = loglikelihood(lm, split)
+        each = [loglikelihood(lm, [r])[0] for r in split]
+    for (a, ga), (b, gb) in zip(together, each):
         assert abs(a - b) <= 1e-4 + 1e-6 * abs(b) and ga == gb
     # The steering did something wherever it has positions to act on: "continuation" only has the continuation
     # tokens fed as input, so one-token continuations keep their unsteered scores.
