@@ -285,6 +285,22 @@ def test_seeded_sampling_independent_of_batch(lm):
     assert generate_tokens(m, [dataclasses.replace(target, temperature=0.0)])[0] == greedy
 
 
+def test_each_sampled_token_draws_with_its_own_steps_key(llama):
+    """Step t of a sampled row draws argmax(warped logits + Gumbel noise from key t of the row's own seed):
+    the same seed gives the same text in any batch and in any later version of the kernel."""
+    from worker.generate import _sample_keys
+
+    m = with_eos(llama, [])
+    r = GenRequest(ids(m, PROMPTS[0]), max_gen_toks=3, do_sample=True, temperature=1.3, top_k=20, seed=11)
+    got = generate_tokens(m, [r])[0]
+    keys, context = _sample_keys(r), list(r.context)
+    for step, token in enumerate(got):
+        logits = m.model(mx.array([context]))[:, -1, :].astype(mx.float32)
+        noise = mx.random.gumbel((logits.shape[-1],), key=keys[step])
+        assert token == int(mx.argmax(warp_logits(logits, [r])[0] + noise).item()), step
+        context.append(token)
+
+
 def test_warpers_match_transformers():
     pytest.importorskip("torch")
     import numpy as np
@@ -345,6 +361,7 @@ class Record:
                 all=r.mask("all", B, S).tolist(),
                 prompt=r.mask("prompt", B, S).tolist(),
                 generated=r.mask("continuation", B, S).tolist(),
+                last=r.mask("last", B, S).tolist(),
                 # each token's index among its own row's real tokens
                 real_index=(mx.arange(r.offset, r.offset + S)[None, :] - r.starts[:, None]).tolist(),
             )
@@ -408,6 +425,7 @@ def test_rows_track_real_positions_and_pads(llama):
     P = lengths[0][0]
     for row, (n, _) in enumerate(lengths):
         assert prefill["all"][row] == [False] * (P - n) + [True] * n
+        assert prefill["last"][row] == [False] * (P - 1) + [True]  # left padding: every prompt ends at P - 1
         assert prefill["real_index"][row][P - n :] == list(range(n))
     changed = (mx.abs(after.calls[0]["x"] - before.calls[0]["x"]).max(axis=-1) > 0).tolist()
     assert changed == prefill["all"]  # Add("all") touched every real token and no pad
@@ -416,4 +434,5 @@ def test_rows_track_real_positions_and_pads(llama):
         live = [n for n, g in lengths if g > step]
         assert call["S"] == 1 and sorted(r[0] for r in call["real_index"]) == sorted(n + step - 1 for n in live)
         assert all(r == [True] for r in call["generated"]) and all(r == [False] for r in call["prompt"])
+        assert all(r == [True] for r in call["last"])  # the token fed is each row's newest, so its last
     assert len(rec.calls) == max(g for _, g in lengths)
