@@ -17,13 +17,22 @@ TASKS = ["orchard_mc", "orchard_ppl", "orchard_gen"]
 MAX_LENGTH = 64  # small, so rolling windows and truncation are exercised
 
 
-def evaluate(model, path, tasks_dir, batch_size=4, **extra):
+@pytest.fixture(scope="module")
+def manager(tasks_dir, tmp_path_factory):
+    """One task index for the module (lm-eval takes seconds to build one): the fixture tasks and the long ones."""
+    from parity_tasks import write_long_tasks
+
+    long = write_long_tasks(tmp_path_factory.mktemp("long-tasks"), tasks_dir)
+    return TaskManager(include_path=[str(tasks_dir), str(long)])
+
+
+def evaluate(model, path, manager, batch_size=4, **extra):
     args = f"pretrained={path},max_length={MAX_LENGTH}" + "".join(f",{k}={v}" for k, v in extra.items())
     return lm_eval.simple_evaluate(
         model=model,
         model_args=args,
         tasks=TASKS,
-        task_manager=TaskManager(include_path=str(tasks_dir)),
+        task_manager=manager,
         log_samples=True,
         device="cpu",
         batch_size=batch_size,
@@ -32,8 +41,8 @@ def evaluate(model, path, tasks_dir, batch_size=4, **extra):
 
 
 @pytest.fixture(scope="module")
-def hf_results(model_path, tasks_dir):
-    return evaluate("hf", model_path, tasks_dir, dtype="float32")
+def hf_results(model_path, manager):
+    return evaluate("hf", model_path, manager, dtype="float32")
 
 
 def close(a: float, b: float) -> bool:
@@ -42,8 +51,8 @@ def close(a: float, b: float) -> bool:
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
-def test_simple_evaluate_matches_hf_backend(model_path, tasks_dir, hf_results, batch_size):
-    ours = evaluate("mlx", model_path, tasks_dir, batch_size=batch_size)
+def test_simple_evaluate_matches_hf_backend(model_path, manager, hf_results, batch_size):
+    ours = evaluate("mlx", model_path, manager, batch_size=batch_size)
     for task in TASKS:
         mine, ref = ours["samples"][task], hf_results["samples"][task]
         assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in ref]
@@ -64,14 +73,7 @@ def test_simple_evaluate_matches_hf_backend(model_path, tasks_dir, hf_results, b
     assert ours["config"]["orchard"]["files"]  # model identity recorded with the results
 
 
-@pytest.fixture(scope="module")
-def long_tasks(tasks_dir, tmp_path_factory):
-    from parity_tasks import write_long_tasks
-
-    return TaskManager(include_path=str(write_long_tasks(tmp_path_factory.mktemp("long-tasks"), tasks_dir)))
-
-
-def test_prefix_families_stop_strings_and_truncation_match_hf_backend(model_path, long_tasks):
+def test_prefix_families_stop_strings_and_truncation_match_hf_backend(model_path, manager):
     """The model's own 512-token window: few-shot prefixes run once per family (KV reuse), generations stop at
     a stop string or run to max_gen_toks, and every number and text is still the hf backend's."""
     from parity_tasks import LONG_TASKS, coverage
@@ -79,7 +81,7 @@ def test_prefix_families_stop_strings_and_truncation_match_hf_backend(model_path
     from driver.lm import MLXLM
     from worker.score import families
 
-    common = dict(tasks=LONG_TASKS, task_manager=long_tasks, log_samples=True, verbosity="ERROR")
+    common = dict(tasks=LONG_TASKS, task_manager=manager, log_samples=True, verbosity="ERROR")
     ref = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_path},dtype=float32", batch_size=4, device="cpu", **common)
     ours_lm = MLXLM(pretrained=str(model_path), batch_size=8)
     seen: list = []
@@ -140,9 +142,12 @@ def test_importing_orchard_keeps_lm_eval_backends():
     assert get_model("dummy").__name__ == "DummyLM"
 
 
-def test_real_mmlu_on_a_real_pretrained_model_matches_hf_backend(stories_path, offline_mmlu):
+def test_real_mmlu_on_a_real_pretrained_model_matches_hf_backend(stories_path, offline_mmlu, manager):
     """lm-eval's stock mmlu subtask (offline cache) on the real TinyStories Llama, both backends."""
-    common = dict(tasks=["mmlu_abstract_algebra"], num_fewshot=2, limit=6, log_samples=True, verbosity="ERROR", device="cpu")
+    common = dict(
+        tasks=["mmlu_abstract_algebra"], num_fewshot=2, limit=6, log_samples=True, verbosity="ERROR", device="cpu",
+        task_manager=manager,  # lm-eval's own tasks are in every index
+    )  # fmt: skip
     ours = lm_eval.simple_evaluate(model="mlx", model_args=f"pretrained={stories_path}", batch_size=8, **common)
     ref = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={stories_path},dtype=float32", batch_size=8, **common)
     task = "mmlu_abstract_algebra"
