@@ -123,46 +123,14 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _architecture(config: dict, where: Path) -> None:
-    """mlx-lm builds this model_type (a file lookup; mlx-lm itself is imported only for remapped names)."""
-    import importlib.util
-
-    model_type = config.get("model_type")
-    spec = importlib.util.find_spec("mlx_lm")
-    if isinstance(model_type, str) and spec and spec.submodule_search_locations:
-        if (Path(list(spec.submodule_search_locations)[0]) / "models" / f"{model_type}.py").is_file():
-            return
-    from worker.load import ModelLoadError, check_architecture
+def _local(folder: Path, adapter_path: str | None) -> None:
+    """The loader's own folder check (worker.load.validate_local), as a pre-flight refusal."""
+    from worker.load import ModelLoadError, validate_local
 
     try:
-        check_architecture(config, where)
+        validate_local(folder, adapter_path or None)
     except ModelLoadError as e:
         raise Refused(str(e)) from None
-
-
-def _local(folder: Path, model: str, adapter_path: str | None) -> None:
-    if not folder.exists():
-        raise Refused(f"model path does not exist: {model} (pass a local model folder or a Hugging Face repo id)")
-    if not folder.is_dir():
-        raise Refused(f"model path is not a folder: {model} (pass the folder holding config.json)")
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise Refused(f"no config.json in {folder}: not a Hugging Face / mlx-lm model folder")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Refused(f"{config_file} is not valid JSON ({getattr(e, 'msg', e)}{f' at line {e.lineno}' if hasattr(e, 'lineno') else ''})") from None
-    if not isinstance(config, dict):
-        raise Refused(f"{config_file} is not a JSON object")
-    if not list(folder.glob("model*.safetensors")):
-        raise Refused(f"no model*.safetensors weights in {folder} (convert with `mlx_lm.convert` first)")
-    _architecture(config, config_file)
-    if adapter_path:
-        adapter = Path(adapter_path).expanduser()
-        if not adapter.exists():
-            raise Refused(f"--model-args adapter_path={adapter_path}: no such folder (pass the folder written by mlx_lm.lora)")
-        if not (adapter / "adapter_config.json").is_file():
-            raise Refused(f"--model-args adapter_path={adapter_path}: no adapter_config.json there (not an mlx-lm LoRA adapter folder)")
 
 
 def _hub(model: str, revision: str | None) -> Path:
@@ -198,7 +166,7 @@ def check_model(model: str, revision: str | None = None, adapter_path: str | Non
 
     if is_local(model):
         folder = Path(model).expanduser().resolve()
-        _local(folder, model, adapter_path)
+        _local(folder, adapter_path)
         return folder
     folder = _hub(model, revision)
     if _offline():  # the workers will need the weights from the same cache
@@ -207,7 +175,7 @@ def check_model(model: str, revision: str | None = None, adapter_path: str | Non
                 f"model {model}: the Hugging Face cache has its config and tokenizer but not its weights, and "
                 f"HF_HUB_OFFLINE=1: download it (`hf download {model}`), or unset HF_HUB_OFFLINE"
             )
-        _local(folder, model, adapter_path)
+        _local(folder, adapter_path)
     elif adapter_path:
         _local_adapter_only(adapter_path)
     return folder

@@ -20,7 +20,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from cluster import ClusterError, Pool, WorkerActor, connect, parse_workers, start, stop, worker_count
-from worker.grid import GRID_BLOCK, split_point
+from worker.grid import GRID_BLOCK, distinct, split_point
 from worker.grid import KINDS as GRID_KINDS
 from worker.score import families
 from worker.spec import Batching, Job, ModelSpec, Steering
@@ -159,15 +159,7 @@ class RayExecutor:
         if kind not in GRID_KINDS:
             raise ValueError(f"a grid runs {' or '.join(GRID_KINDS)} work, not {kind!r}")
         start_time = time.monotonic()
-        unique: dict[str, int] = {}
-        configs: list[Steering] = []
-        owner: list[int] = []
-        for steering in steerings:
-            k = steering.key()
-            if k not in unique:
-                unique[k] = len(configs)
-                configs.append(steering)
-            owner.append(unique[k])
+        configs, owner = distinct(steerings)
         n_configs, n = len(configs), len(requests)
         merges = [Merge(n) for _ in configs]
         keys: list[list[bytes]] = []

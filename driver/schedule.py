@@ -85,6 +85,76 @@ class Merge:
         return self.values
 
 
+class _Flight:
+    """What dispatch knows between two results: chunks queued, in flight (per worker), done; worker speeds."""
+
+    def __init__(self, chunks: Sequence[Sequence[int]], costs: Sequence[float], pool: "Pool", submit: Callable) -> None:
+        self.costs, self.pool, self.submit = costs, pool, submit
+        self.start = time.monotonic()
+        n = len(pool.workers)
+        self.queue = list(range(len(chunks)))[::-1]  # pop() takes the next chunk
+        self.done = [False] * len(chunks)
+        self.copies = [0] * len(chunks)  # copies in flight
+        self.refs: dict[Any, tuple[int, int]] = {}  # ref -> (worker index, chunk index)
+        self.held: list[list[int]] = [[] for _ in range(n)]  # chunks in flight per worker, in submission order
+        self.since = [self.start] * n  # when each worker's first held chunk started running (at best)
+        self.work = [0.0] * n  # cost finished per worker: its speed is work / elapsed
+
+    def send(self, w: int, c: int) -> None:
+        if not self.held[w]:
+            self.since[w] = time.monotonic()
+        self.refs[self.submit(self.pool.workers[w], c)] = (w, c)
+        self.held[w].append(c)
+        self.copies[c] += 1
+
+    def speed(self, w: int) -> float:
+        return self.work[w] / max(time.monotonic() - self.start, 1e-9) or 1e-9
+
+    def backup_for(self, w: int) -> int | None:
+        """The single-copy chunk expected to finish last, if a copy on idle worker w would finish sooner."""
+        now, best, latest = time.monotonic(), None, 0.0
+        for v in self.pool.alive:
+            finish = self.since[v]
+            for c in self.held[v]:
+                finish += self.costs[c] / self.speed(v)
+                if self.copies[c] == 1 and not self.done[c] and finish > latest:
+                    best, latest = c, finish
+        if best is not None and (self.work[w] == 0 or now + self.costs[best] / self.speed(w) < latest):
+            return best
+        return None
+
+    def fill(self, depth: int) -> None:
+        """Top every live worker up to `depth` chunks, one level at a time so work spreads evenly."""
+        for level in range(1, depth + 1):
+            for w in sorted(self.pool.alive):
+                if len(self.held[w]) >= level:
+                    continue
+                while self.queue and self.done[self.queue[-1]]:
+                    self.queue.pop()
+                c = self.queue.pop() if self.queue else (self.backup_for(w) if not self.held[w] else None)
+                if c is not None:
+                    self.send(w, c)
+
+    def landed(self, ref: Any) -> tuple[int, int]:
+        w, c = self.refs.pop(ref)
+        self.held[w].remove(c)
+        self.copies[c] -= 1
+        return w, c
+
+    def lost(self, w: int, c: int) -> None:
+        """The worker died (or its node did): its chunk goes back to the queue unless a copy still runs."""
+        self.pool.lost(w)
+        if not self.done[c] and not self.copies[c]:
+            self.queue.append(c)
+
+    def finished(self, w: int, c: int) -> bool:
+        """Record a result; True when it is the chunk's first copy."""
+        self.since[w] = time.monotonic()
+        self.work[w] += self.costs[c]
+        first, self.done[c] = not self.done[c], True
+        return first
+
+
 def dispatch(
     chunks: Sequence[Sequence[int]],
     costs: Sequence[float],
@@ -103,78 +173,28 @@ def dispatch(
     import ray
     from ray.exceptions import RayActorError
 
-    start = time.monotonic()
-    n = len(pool.workers)
-    queue = list(range(len(chunks)))[::-1]  # pop() takes the next chunk
-    done = [False] * len(chunks)
-    copies = [0] * len(chunks)  # copies in flight
-    flight: dict[Any, tuple[int, int]] = {}  # ref -> (worker index, chunk index)
-    held: list[list[int]] = [[] for _ in range(n)]  # chunks in flight per worker, in submission order
-    since = [start] * n  # when each worker's first held chunk started running (at best)
-    work = [0.0] * n  # cost finished per worker: its speed is work / elapsed
-
-    def send(w: int, c: int) -> None:
-        if not held[w]:
-            since[w] = time.monotonic()
-        flight[submit(pool.workers[w], c)] = (w, c)
-        held[w].append(c)
-        copies[c] += 1
-
-    def speed(w: int) -> float:
-        return work[w] / max(time.monotonic() - start, 1e-9) or 1e-9
-
-    def backup_for(w: int) -> int | None:
-        """The single-copy chunk expected to finish last, if a copy on idle worker w would finish sooner."""
-        now, best, latest = time.monotonic(), None, 0.0
-        for v in pool.alive:
-            finish = since[v]
-            for c in held[v]:
-                finish += costs[c] / speed(v)
-                if copies[c] == 1 and not done[c] and finish > latest:
-                    best, latest = c, finish
-        if best is not None and (work[w] == 0 or now + costs[best] / speed(w) < latest):
-            return best
-        return None
-
-    def fill() -> None:
-        for level in range(1, depth + 1):
-            for w in sorted(pool.alive):
-                if len(held[w]) >= level:
-                    continue
-                while queue and done[queue[-1]]:
-                    queue.pop()
-                c = queue.pop() if queue else (backup_for(w) if not held[w] else None)
-                if c is not None:
-                    send(w, c)
-
+    f = _Flight(chunks, costs, pool, submit)
     left = len(chunks)
     while left:
-        fill()
-        if not flight and not pool.reviving:
+        f.fill(depth)
+        if not f.refs and not pool.reviving:
             raise WorkersLost("every worker is lost")
-        timeout = None if flight else revive_timeout
-        ready, _ = ray.wait(list(flight) + list(pool.reviving), num_returns=1, timeout=timeout)
+        timeout = None if f.refs else revive_timeout
+        ready, _ = ray.wait(list(f.refs) + list(pool.reviving), num_returns=1, timeout=timeout)
         if not ready:
             raise WorkersLost(f"every worker is lost and none came back within {revive_timeout:.0f} s")
         ref = ready[0]
         if ref in pool.reviving:
             pool.back(ref)
             continue
-        w, c = flight.pop(ref)
-        held[w].remove(c)
-        copies[c] -= 1
+        w, c = f.landed(ref)
         try:
             value = ray.get(ref)
-        except RayActorError:  # the worker died (or its node did): its chunk goes back to the queue
-            pool.lost(w)
-            if not done[c] and not copies[c]:
-                queue.append(c)
+        except RayActorError:
+            f.lost(w, c)
             continue
-        since[w] = time.monotonic()
-        work[w] += costs[c]
-        if not done[c]:
-            done[c] = True
+        if f.finished(w, c):
             left -= 1
             on_result(w, c, value)
-    for ref in flight:  # backups still running: their results are no longer needed
+    for ref in f.refs:  # backups still running: their results are no longer needed
         ray.cancel(ref)

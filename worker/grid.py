@@ -42,7 +42,7 @@ from .score import Row, _batches, _broadcast, _families, _rows, _score_batch, lo
 from .spec import Batching, Steering
 from .steer import hidden_size, hooks_for
 
-__all__ = ["GRID_BLOCK", "grid_generate", "grid_loglikelihood", "run_grid", "shares_lower", "split_point"]
+__all__ = ["GRID_BLOCK", "distinct", "grid_generate", "grid_loglikelihood", "run_grid", "shares_lower", "split_point"]
 
 GRID_BLOCK = 16  # most configurations sharing one lower pass (each holds its own upper prefix KV caches)
 KINDS = ("loglikelihood", "generate")
@@ -372,21 +372,21 @@ def grid_generate(
     return results
 
 
+def distinct(steerings: Sequence[Steering]) -> tuple[list[Steering], list[int]]:
+    """The distinct configurations (first occurrence order), and which one each given configuration is."""
+    index: dict[str, int] = {}
+    owner = [index.setdefault(s.key(), len(index)) for s in steerings]
+    configs = [s for i, (s, o) in enumerate(zip(steerings, owner)) if o not in owner[:i]]
+    return configs, owner
+
+
 def run_grid(
     lm: LoadedModel, kind: str, steerings: Sequence[Steering], requests: Sequence[Any], batching: Batching | None = None
 ) -> list[list]:
     """Results per request per configuration ([request][configuration]); identical configurations run once."""
     if kind not in KINDS:
         raise ValueError(f"a grid runs {' or '.join(KINDS)} work, not {kind!r}")
-    unique: dict[str, int] = {}
-    configs: list[Steering] = []
-    owner = []
-    for steering in steerings:
-        k = steering.key()
-        if k not in unique:
-            unique[k] = len(configs)
-            configs.append(steering)
-        owner.append(unique[k])
+    configs, owner = distinct(steerings)
     kernel = grid_loglikelihood if kind == "loglikelihood" else grid_generate
     out = kernel(lm, configs, requests, batching)
     return out if len(configs) == len(owner) else [[r[o] for o in owner] for r in out]

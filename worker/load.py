@@ -92,31 +92,41 @@ def validate_local(path: Path, adapter_path: str | None = None) -> None:
     if not path.is_dir():
         raise ModelLoadError(f"model path is not a folder: {path} (pass the folder holding config.json)")
     config_file = path / "config.json"
-    if not config_file.exists():
+    if not config_file.is_file():
         raise ModelLoadError(f"no config.json in {path}: not a Hugging Face / mlx-lm model folder")
     try:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{config_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise ModelLoadError(f"{config_file} is not valid JSON (not UTF-8 text)") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_file} is not a JSON object")
     if not list(path.glob("model*.safetensors")):
         raise ModelLoadError(f"no model*.safetensors weights in {path} (convert with `mlx_lm.convert` first)")
     check_architecture(config, config_file)
     if adapter_path is not None:
         adapter = Path(adapter_path).expanduser()
         if not adapter.exists():
-            raise ModelLoadError(f"adapter path does not exist: {adapter} (pass the folder written by mlx_lm.lora)")
-        if not (adapter / "adapter_config.json").exists():
-            raise ModelLoadError(f"no adapter_config.json in {adapter}: not an mlx-lm LoRA adapter folder")
+            raise ModelLoadError(f"adapter path does not exist: adapter_path={adapter_path} (pass the folder written by mlx_lm.lora)")
+        if not (adapter / "adapter_config.json").is_file():
+            raise ModelLoadError(f"no adapter_config.json in adapter_path={adapter_path}: not an mlx-lm LoRA adapter folder")
 
 
 def check_architecture(config: dict, where: Any = "config.json") -> None:
+    """mlx-lm builds this model_type. A plain file lookup first: importing mlx-lm (and MLX) is needed only for
+    remapped names, so a pre-flight check stays fast."""
     import importlib.util
-
-    from mlx_lm.utils import MODEL_REMAPPING
 
     model_type = config.get("model_type")
     if not model_type:
         raise ModelLoadError(f"{where} has no model_type: cannot tell which architecture to build")
+    package = importlib.util.find_spec("mlx_lm")
+    if isinstance(model_type, str) and re.fullmatch(r"\w+", model_type) and package and package.submodule_search_locations:
+        if (Path(list(package.submodule_search_locations)[0]) / "models" / f"{model_type}.py").is_file():
+            return
+    from mlx_lm.utils import MODEL_REMAPPING
+
     module = MODEL_REMAPPING.get(model_type, model_type)
     if not re.fullmatch(r"\w+", module) or importlib.util.find_spec(f"mlx_lm.models.{module}") is None:
         raise ModelLoadError(
