@@ -47,6 +47,7 @@ class WorkerActor:
             **collect(),
             "rank": self.rank,
             "model_files": fingerprint(self.lm.path),
+            "model_path": str(self.lm.path),
             "max_length": self.lm.max_length,
             "n_layers": self.lm.n_layers,
             "restarted": self.restarted,
@@ -87,7 +88,7 @@ class Pool:
             pass  # gone for good
 
 
-def start(
+def launch(
     spec: ModelSpec,
     batching: Batching,
     n: int,
@@ -95,20 +96,26 @@ def start(
     actor_cls: type = WorkerActor,
     threads: int | None = None,
     max_restarts: int = 3,
-) -> tuple[list, list[dict]]:
-    """Place n actors (one per `mlx` node), wait for each to load its model; (actors, their facts).
+) -> tuple[list, list]:
+    """Place n actors (one per `mlx` node); they load their models while the caller goes on (lm-eval building
+    its requests). (actors, refs to their facts): pass both to `ready` before the first job."""
+    ranks = [{"rank": i} for i in range(n)]
+    actors = place(actor_cls, n, spec, batching, max_restarts=max_restarts, threads=threads, per_worker=ranks)
+    return actors, [a.facts.remote() for a in actors]
 
-    Raises ModelLoadError / ClusterError in one line (and stops whatever started) if any worker cannot serve.
+
+def ready(actors: list, refs: list, spec: ModelSpec) -> list[dict]:
+    """Wait for each launched worker to hold its model; their facts.
+
+    Raises ModelLoadError / ClusterError in one line (and stops every actor) if any worker cannot serve.
     """
     import ray
     from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
     from .failures import describe, load_failure
 
-    ranks = [{"rank": i} for i in range(n)]
-    actors = place(actor_cls, n, spec, batching, max_restarts=max_restarts, threads=threads, per_worker=ranks)
+    facts: list[dict] = []
     try:
-        refs, facts = [a.facts.remote() for a in actors], []
         for rank, ref in enumerate(refs):  # in order, so a failure is pinned on its worker (and node)
             try:
                 facts.append(ray.get(ref))
@@ -127,7 +134,13 @@ def start(
     warning = slow_blas(facts)
     if warning:  # once per run, in one line
         print(warning, file=sys.stderr)
-    return actors, facts
+    return facts
+
+
+def start(spec: ModelSpec, batching: Batching, n: int, **options: Any) -> tuple[list, list[dict]]:
+    """`launch` then `ready`: (actors, their facts) once every worker holds the model."""
+    actors, refs = launch(spec, batching, n, **options)
+    return actors, ready(actors, refs, spec)
 
 
 def stop(actors: Sequence[Any]) -> None:

@@ -29,6 +29,7 @@ DEMO_TASKS = "orchard_mc,orchard_ppl,orchard_gen"
 RUN_FLAGS = {
     "pretrained": "--model", "batch_size": "--batch-size", "max_length": "--max-length", "workers": "--workers",
     "address": "--address", "cache": "--cache", "dashboard": "--dashboard", "threads": "--threads", "steer": "--steer",
+    "stage": "--stage",
 }  # fmt: skip
 VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads"}
 
@@ -136,6 +137,7 @@ def main() -> None:
 @click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
 @click.option("--dashboard", is_flag=True, help="Start Ray's dashboard with the embedded Ray (off by default).")
 @click.option("--steer", default=None, help="Steering spec (YAML/JSON): interventions active for every request.")
+@click.option("--stage", is_flag=True, help="Copy the model to every node first (driver stage); workers load that copy.")
 def run(
     model: str,
     tasks: str,
@@ -156,6 +158,7 @@ def run(
     threads: int | None,
     dashboard: bool,
     steer: str | None,
+    stage: bool,
 ) -> None:
     """Evaluate MODEL on lm-eval TASKS with its requests spread over Ray workers.
 
@@ -189,6 +192,7 @@ def run(
         "batch_size": int(plan.batch_size),
         "cache": cache or str(Path(output_path) / "cache"),
         "dashboard": dashboard,
+        "stage": stage,
     }
     for name, value in (("address", address), ("max_length", max_length), ("threads", threads), ("steer", steer)):
         if value is not None:
@@ -350,7 +354,10 @@ def vectors(
 )
 @click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: OUTPUT/cache.")
 @click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
-def sweep_command(sweep_file: str, workers: str, address: str | None, output: str | None, cache: str | None, threads: int | None) -> None:
+@click.option("--stage", is_flag=True, help="Copy the model to every node first (driver stage); workers load that copy.")
+def sweep_command(
+    sweep_file: str, workers: str, address: str | None, output: str | None, cache: str | None, threads: int | None, stage: bool
+) -> None:
     """Run a steering sweep: every configuration of SWEEP_FILE's grid (layers × alphas × ...) on its tasks and
     prompt sets, the model loaded once per worker. Writes results.csv/.jsonl, generations.jsonl, summary.md,
     heatmaps and line plots, and lm-eval's JSON per configuration under OUTPUT.
@@ -373,7 +380,9 @@ def sweep_command(sweep_file: str, workers: str, address: str | None, output: st
     preflight.check_cache(cache or folder / "cache", "--cache" if cache else "the result cache")
     preflight.check_address(address)
     try:
-        outcome = run_sweep(plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, echo=click.echo)
+        outcome = run_sweep(
+            plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, stage=stage, echo=click.echo
+        )
     except KeyboardInterrupt:
         kept = cache or folder / "cache"
         click.echo(f"interrupted: finished requests are cached in {kept}; rerun the same command to resume", err=True)
@@ -397,10 +406,16 @@ def _sha256(path: str) -> str:
 
 @main.command()
 @click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
-def nodes(address: str | None) -> None:
-    """List the cluster's `mlx` nodes: host, OS, chip, memory and versions."""
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object ({address, nodes, warnings}) instead of lines.")
+def nodes(address: str | None, as_json: bool) -> None:
+    """One line per node: id, host, OS/arch, chip, memory, MLX device and the memory it recommends for models,
+    BLAS, versions, `mlx` units, alive. Exit 1 when no node offers `mlx` or the `mlx` nodes' versions differ."""
+    import json
+
+    import ray
+
     from cluster import ClusterError, connect, node_facts
-    from cluster.facts import slow_blas
+    from cluster.facts import mismatch, node_line, node_rows, slow_blas
 
     preflight.check_address(address)  # syntax (exit 2), reachable, token authentication: no Ray yet
     try:
@@ -408,17 +423,31 @@ def nodes(address: str | None) -> None:
     except ClusterError as e:
         raise click.ClickException(str(e)) from None
     try:
-        facts = node_facts()
+        facts, table = node_facts(), ray.nodes()
     finally:
         connection.close()
     if not facts:
-        raise click.ClickException("no node offers the `mlx` resource: start each Mac with ray start --resources='{\"mlx\": 1}'")
-    for f in facts:
-        click.echo(
-            f"{f['hostname']:<20} {f['node_id'][:12]}  {f['os']} {f['arch']}  {f['chip'] or '-'}  {f['memory_gb']} GB  "
-            f"python {f['python']}  mlx {f['mlx']}  mlx-lm {f['mlx-lm']}  lm-eval {f['lm_eval']}  ray {f['ray']}  "
-            f"BLAS: {f['blas']}"
+        raise click.ClickException(
+            f"no alive node offers the `mlx` resource ({len(table)} node{'s' * (len(table) != 1)} without it): "
+            "start each Mac with ray start --resources='{\"mlx\": 1}' (deploy/ray-mac.sh does)"
         )
-    warning = slow_blas(facts)
+    rows, warning, differ = node_rows(table, facts), slow_blas(facts), mismatch(facts, who="nodes")
+    if as_json:
+        warnings = [w for w in (warning, differ) if w]
+        click.echo(json.dumps({"address": connection.address, "nodes": rows, "warnings": warnings}, indent=1))
+    else:
+        for row in rows:
+            click.echo(node_line(row))
     if warning:
         click.echo(warning, err=True)
+    if differ:  # `driver run` refuses such a cluster: say so now, in one line, with the fix
+        raise click.ClickException(differ)
+
+
+from .stage_cmd import stage as stage_command
+main.add_command(stage_command)
+
+
+from .cluster_cmd import cluster as cluster_group  # noqa: E402  (the `cluster` group: up, down, status)
+
+main.add_command(cluster_group)

@@ -11,7 +11,7 @@ import hashlib
 import json
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ from worker.jobs import run
 from worker.load import context_window, fingerprint, is_local, load, resolve
 from worker.spec import NO_STEERING, Batching, Job, ModelSpec, Steering
 
+from .schedule import gather
 from .steer import check, load_steering, model_shape
 
 TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
@@ -35,10 +36,26 @@ _TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*
 
 
 class Executor(Protocol):
-    def run(self, job: Job, requests: list) -> list: ...
+    def run(self, job: Job, requests: Iterable, total: int | None = None) -> list: ...
     def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]: ...
     def info(self) -> dict: ...
+    def close_progress(self) -> None: ...
     def close(self) -> None: ...
+
+
+FIRST_PIECE, LARGEST_PIECE = 256, 8192  # requests: the first piece small, to start workers within a second
+
+
+def pieces(contexts: Sequence[str]) -> Iterator[tuple[int, int]]:
+    """[lo, hi) bounds of growing pieces of a request list, each ending where the context changes (so the answer
+    choices of one question, which share their input, stay in one piece)."""
+    lo, size, n = 0, FIRST_PIECE, len(contexts)
+    while lo < n:
+        hi = min(lo + size, n)
+        while hi < n and contexts[hi] == contexts[hi - 1]:
+            hi += 1
+        yield lo, hi
+        lo, size = hi, min(2 * size, LARGEST_PIECE)
 
 
 class LocalExecutor:
@@ -50,8 +67,8 @@ class LocalExecutor:
         if blas().startswith("reference") and fast_blas():  # a fast BLAS must be preloaded before Python starts
             print(f"note: MLX runs on its reference BLAS here; start Python with LD_PRELOAD={fast_blas()} for ~10x", file=sys.stderr)
 
-    def run(self, job: Job, requests: list) -> list:
-        return run(self.lm, job, requests, self.batching)
+    def run(self, job: Job, requests: Iterable, total: int | None = None) -> list:
+        return run(self.lm, job, gather(requests, total), self.batching)
 
     def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]:
         """Results [configuration][request], each equal to `run(Job(kind=kind, steering=s), requests)[i]`;
@@ -61,6 +78,9 @@ class LocalExecutor:
 
     def info(self) -> dict:
         return {"executor": "local", "head_split": self.lm.head.split}
+
+    def close_progress(self) -> None:
+        pass  # lm-eval's own bars
 
     def close(self) -> None:
         self.lm = None
@@ -227,6 +247,36 @@ class OrchardLM(TemplateLM):
                 self.steering, self.steering_record = saved
 
         return block()
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """TemplateLM.loglikelihood, streamed: requests are tokenized in pieces on a background thread (the Feed
+        of driver.schedule) and each piece goes to the workers as soon as it is ready."""
+        pairs = [r.args for r in requests]
+        bar = tqdm(total=len(pairs), desc="Tokenizing", unit="req", disable=disable_tqdm)
+
+        def encoded() -> Iterator[list[TokenPair]]:
+            for lo, hi in pieces([context for context, _ in pairs]):
+                yield self.encode_pairs(pairs[lo:hi])
+                bar.update(hi - lo)
+            bar.close()
+
+        results = self.executor.run(self.job("loglikelihood"), encoded(), total=len(pairs))
+        for args, answer in zip(pairs, results):
+            self.cache_hook.add_partial("loglikelihood", args, answer)
+        return results
+
+    def encode_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[TokenPair]:
+        """Token ids of (context, continuation) pairs exactly as TemplateLM.loglikelihood makes them (the
+        empty-context rule, trailing spaces moved to the continuation)."""
+        out = []
+        for context, continuation in pairs:
+            if context == "":
+                cont = self.tok_encode(continuation, add_special_tokens=False)
+                ctx, cont = ([self.prefix_token_id], cont) if self.prefix_token_id != cont[0] else (cont[:1], cont[1:])
+            else:
+                ctx, cont = self._encode_pair(context, continuation)
+            out.append((tuple(ctx), tuple(cont)))
+        return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         pairs = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]

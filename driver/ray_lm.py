@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
 import time
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from lm_eval.api.registry import register_model
-from tqdm import tqdm
 
-from cluster import ClusterError, Pool, WorkerActor, connect, parse_workers, start, stop, worker_count
+from cluster import ClusterError, Pool, WorkerActor, connect, launch, parse_workers, ready, stop, worker_count
 from worker.grid import GRID_BLOCK, distinct, split_point
 from worker.grid import KINDS as GRID_KINDS
 from worker.score import families
@@ -27,7 +27,8 @@ from worker.spec import Batching, Job, ModelSpec, Steering
 
 from .cache import Cache, grid_keys, identity, job_prefix, key
 from .lm import OrchardLM, _bool
-from .schedule import PER_WORKER, Merge, WorkersLost, cut, dispatch
+from .progress import Progress
+from .schedule import PER_WORKER, Feed, Merge, WorkersLost, cut, dispatch
 
 
 def _shutdown(actors: list, cache: Cache | None, connection) -> None:
@@ -40,6 +41,16 @@ def _shutdown(actors: list, cache: Cache | None, connection) -> None:
 # Results as the cache stores them (JSON) and back: capture arrays travel as nested lists.
 _TO_CACHE = {"capture": lambda a: a.tolist()}
 _FROM_CACHE = {"capture": lambda v: np.asarray(v, dtype=np.float32)}
+
+
+def _stage(spec: ModelSpec) -> str:
+    """Stage the model on every `mlx` node (cluster.stage); the model string the workers load."""
+    from cluster.stage import stage
+
+    report = stage(spec.model, revision=spec.revision)
+    moved = sum(n.bytes_sent for n in report.nodes) / 1e6
+    print(f"staged {spec.model} on {len(report.nodes)} nodes ({moved:.1f} MB moved)", file=sys.stderr)
+    return report.staged_model
 
 
 class RayExecutor:
@@ -58,6 +69,7 @@ class RayExecutor:
         dashboard: bool = False,
         threads: int | None = None,
         max_restarts: int = 3,
+        stage: bool = False,
         actor_cls: type = WorkerActor,
     ):
         """`threads` caps BLAS/OpenMP threads per worker (several workers on one machine); a crashed worker is
@@ -66,21 +78,38 @@ class RayExecutor:
         self.connection = connect(address, local_workers=1 if requested == "all" else requested, dashboard=dashboard)
         try:
             n = worker_count(requested)
-            self.actors, self.facts = start(
+            if stage:  # every node gets its own verified copy first; the workers load that
+                spec = spec.model_copy(update={"model": _stage(spec)})
+            # The workers load the model while lm-eval builds its requests; `facts` waits for them.
+            self.actors, self._launched = launch(
                 spec, batching, n, actor_cls=actor_cls, threads=threads, max_restarts=max_restarts
             )
         except BaseException:
             self.connection.close()
             raise
-        self.batching, self.max_length = batching, max_length
-        self.ident = identity({**model_identity, "weights": self.facts[0]["model_files"]})
+        self.spec, self.batching, self.max_length = spec, batching, max_length
+        self.model_identity = model_identity
+        self._facts: list[dict] | None = None
         self.cache = Cache(cache_dir) if cache_dir else None
-        self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(self.facts)]
         self.pool = Pool(self.actors)
         self.done: Counter = Counter()  # requests computed, per worker name
         self.cached = 0
         self.seconds = 0.0
         self._finalizer = weakref.finalize(self, _shutdown, self.actors, self.cache, self.connection)
+
+    @property
+    def facts(self) -> list[dict]:
+        """Each worker's facts, once every worker holds the model (the first job waits here)."""
+        return self.wait_ready()
+
+    def wait_ready(self) -> list[dict]:
+        """Block until every worker holds the model; a load failure surfaces here, in one line."""
+        if self._facts is None:
+            self._facts = ready(self.actors, self._launched, self.spec)
+            self.ident = identity({**self.model_identity, "weights": self._facts[0]["model_files"]})
+            self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(self._facts)]
+            self.progress = Progress(self.names)
+        return self._facts
 
     def _plan(self, kind: str, requests: list) -> tuple[list[int], list[list[int]]]:
         """Token cost per request, and the groups a chunk must keep whole (shared inputs and prefixes)."""
@@ -93,24 +122,73 @@ class RayExecutor:
             costs = [min(len(tokens), self.max_length) for tokens, _ in requests]
         return costs, [[i] for i in range(len(requests))]
 
-    def _from_cache(self, kind: str, merge: Merge, keys: list[bytes]) -> None:
+    def _from_cache(self, kind: str, merge: Merge, keys: list[bytes], offset: int = 0) -> None:
         hits = self.cache.get(keys)
         found = [i for i, k in enumerate(keys) if k in hits]
         decode = _FROM_CACHE.get(kind, lambda v: v)
-        merge.add(found, [decode(hits[keys[i]]) for i in found])
+        merge.add([offset + i for i in found], [decode(hits[keys[i]]) for i in found])
         self.cached += len(found)
 
-    def run(self, job: Job, requests: list) -> list:
+    def run(self, job: Job, requests: Iterable, total: int | None = None) -> list:
+        """Results of `job` on every request, in order: cached ones read back, the rest computed and cached.
+
+        `requests` is a list, or (with `total`) an iterable of lists whose lengths add up to `total`: the head
+        still tokenizing while workers run. Each piece is planned and its chunks dispatched as soon as it comes.
+        """
+        feed = Feed([requests] if total is None else requests)  # made on its own thread while workers get ready
+        total = len(requests) if total is None else total
+        self.wait_ready()
         start_time = time.monotonic()
-        kind, merge = job.kind, Merge(len(requests))
-        costs, groups = self._plan(kind, requests)
+        kind, merge = job.kind, Merge(total)
+        prefix = job_prefix(self.ident, job) if self.cache is not None else b""
+        todo: list = []  # every request so far, by global index
         keys: list[bytes] = []
-        if self.cache is not None:
-            prefix = job_prefix(self.ident, job)
-            keys = [key(prefix, kind, r) for r in requests]
-            self._from_cache(kind, merge, keys)
-        todo = merge.filled
-        groups = [g for g in ([i for i in g if not todo[i]] for g in groups) if g]
+        chunks: list[list[int]] = []
+        self.progress.expect(total, 0, kind)
+
+        def more(timeout: float) -> list[float] | None:
+            try:
+                piece = feed.take(timeout)
+            except StopIteration:
+                return None
+            if piece is None:
+                return []
+            offset, cached = len(todo), merge.count
+            todo.extend(piece)
+            if self.cache is not None:
+                keys.extend(key(prefix, kind, r) for r in piece)
+                self._from_cache(kind, merge, keys[offset:], offset)
+                self.progress.expect(0, merge.count - cached, kind)
+            new = self._cut(kind, piece, offset, merge.filled)
+            chunks.extend(indices for indices, _ in new)
+            return [cost for _, cost in new]
+
+        encode = _TO_CACHE.get(kind, lambda v: v)
+
+        def submit(actor, c: int):
+            return actor.run.remote(job, chunks[c], [todo[i] for i in chunks[c]])
+
+        def on_result(w: int, c: int, value: tuple[list[int], list]) -> None:
+            indices, results = value
+            merge.add(indices, results)
+            if self.cache is not None:
+                self.cache.put((keys[i], encode(r)) for i, r in zip(indices, results))
+            self._count(w, len(indices))
+
+        try:
+            dispatch([], [], self.pool, submit, on_result, more=more)
+        except WorkersLost as e:
+            raise ClusterError(f"{e}: {merge.count} of {total} {kind} requests finished; {self._kept()}") from None
+        finally:
+            self.seconds += time.monotonic() - start_time
+        if len(todo) != total:
+            raise RuntimeError(f"the head made {len(todo)} {kind} requests where it announced {total}")
+        return merge.result()
+
+    def _cut(self, kind: str, piece: list, offset: int, filled: bytearray) -> list[tuple[list[int], int]]:
+        """(global request indices, token cost) per chunk of one piece's requests not answered yet."""
+        costs, groups = self._plan(kind, piece)
+        groups = [g for g in ([i for i in g if not filled[offset + i]] for g in groups) if g]
         chunks = cut(
             costs,
             groups,
@@ -118,32 +196,12 @@ class RayExecutor:
             max_tokens=8 * self.batching.max_batch_tokens,
             min_tokens=max(1, self.batching.max_batch_tokens // 8),
         )
-        bar = tqdm(total=len(requests), initial=merge.count, unit="req", desc=f"{kind} on {len(self.pool.alive)} workers")
-        encode = _TO_CACHE.get(kind, lambda v: v)
+        return [([offset + i for i in ch], sum(costs[i] for i in ch)) for ch in chunks]
 
-        def submit(actor, c: int):
-            return actor.run.remote(job, chunks[c], [requests[i] for i in chunks[c]])
-
-        def on_result(w: int, c: int, value: tuple[list[int], list]) -> None:
-            indices, results = value
-            merge.add(indices, results)
-            if self.cache is not None:
-                self.cache.put((keys[i], encode(r)) for i, r in zip(indices, results))
-            self._progress(bar, w, len(indices))
-
-        try:
-            dispatch(chunks, [sum(costs[i] for i in ch) for ch in chunks], self.pool, submit, on_result)
-        except WorkersLost as e:
-            kept = (
-                f"they are cached in {self.cache.path.parent}: rerun the same command to resume"
-                if self.cache is not None
-                else "pass --cache DIR to keep finished work"
-            )
-            raise ClusterError(f"{e}: {merge.count} of {len(requests)} {kind} requests finished; {kept}") from None
-        finally:
-            bar.close()
-            self.seconds += time.monotonic() - start_time
-        return merge.result()
+    def _kept(self) -> str:
+        if self.cache is not None:
+            return f"they are cached in {self.cache.path.parent}: rerun the same command to resume"
+        return "pass --cache DIR to keep finished work"
 
     def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]:
         """Results [configuration][request], each equal to `run(Job(kind=kind, steering=s), requests)[i]`.
@@ -158,6 +216,7 @@ class RayExecutor:
         """
         if kind not in GRID_KINDS:
             raise ValueError(f"a grid runs {' or '.join(GRID_KINDS)} work, not {kind!r}")
+        self.wait_ready()
         start_time = time.monotonic()
         configs, owner = distinct(steerings)
         n_configs, n = len(configs), len(requests)
@@ -169,13 +228,7 @@ class RayExecutor:
                 self._from_cache(kind, merge, keys[c])
         costs, groups = self._plan(kind, requests)
         chunks, chunk_costs = self._grid_chunks(configs, costs, groups, merges)
-        workers = len(self.pool.alive)
-        bar = tqdm(
-            total=n_configs * n,
-            initial=sum(m.count for m in merges),
-            unit="req",
-            desc=f"{kind} grid of {n_configs} configurations x {n} requests on {workers} workers",
-        )
+        self.progress.expect(n_configs * n, sum(m.count for m in merges), f"{kind} grid of {n_configs} configurations")
         encode = _TO_CACHE.get(kind, lambda v: v)
         done_configs = [sum(m.count == n for m in merges)]
 
@@ -196,22 +249,16 @@ class RayExecutor:
                     cells.extend((keys[g][i], encode(r)) for i, r in zip(indices, column))
             if cells:
                 self.cache.put(cells)
-            self._progress(bar, w, len(indices) * len(block), f"configs {done_configs[0]}/{n_configs}")
+            self._count(w, len(indices) * len(block), f"configs {done_configs[0]}/{n_configs}")
 
         try:
             dispatch(chunks, chunk_costs, self.pool, submit, on_result)
         except WorkersLost as e:
-            kept = (
-                f"they are cached in {self.cache.path.parent}: rerun the same command to resume"
-                if self.cache is not None
-                else "pass --cache DIR to keep finished work"
-            )
             finished = sum(m.count for m in merges)
             raise ClusterError(
-                f"{e}: {finished} of {n_configs * n} (configuration, request) {kind} results finished; {kept}"
+                f"{e}: {finished} of {n_configs * n} (configuration, request) {kind} results finished; {self._kept()}"
             ) from None
         finally:
-            bar.close()
             self.seconds += time.monotonic() - start_time
         results = [m.result() for m in merges]
         return [list(results[o]) for o in owner]
@@ -285,12 +332,9 @@ class RayExecutor:
                     chunk_costs.append(t * unit(block))
         return chunks, chunk_costs
 
-    def _progress(self, bar: tqdm, w: int, n: int, note: str = "") -> None:
+    def _count(self, w: int, n: int, note: str = "") -> None:
         self.done[self.names[w]] += n
-        total = sum(self.done.values())
-        shares = (f"{name.split('@')[0]} {self.done[name] / total:.0%}" for name in self.names)
-        bar.set_postfix_str(" ".join([note, *shares] if note else shares), refresh=False)
-        bar.update(n)
+        self.progress.advance(w, n, note)
 
     def info(self) -> dict:
         seconds = self.seconds or 1e-9
@@ -308,7 +352,13 @@ class RayExecutor:
             "facts": self.facts,
         }
 
+    def close_progress(self) -> None:
+        """End the run's progress bar (before the results are printed)."""
+        if self._facts is not None:
+            self.progress.close()
+
     def close(self) -> None:
+        self.close_progress()
         self._finalizer()
 
 
@@ -325,6 +375,7 @@ class MLXRayLM(OrchardLM):
             "address": kwargs.pop("address", None),
             "cache_dir": kwargs.pop("cache", None),
             "dashboard": _bool(kwargs.pop("dashboard", False)),
+            "stage": _bool(kwargs.pop("stage", False)),
         }
         for name in ("threads", "max_restarts"):
             if kwargs.get(name) not in (None, ""):

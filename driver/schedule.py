@@ -9,14 +9,18 @@ A worker that dies gives its chunks back to the queue; it rejoins if Ray restart
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster import Pool
 
 PER_WORKER = 8  # a chunk's budget is at most 1/(PER_WORKER * workers) of the tokens left to cut
+POLL = 0.02  # s between looks at the feed while chunks run (the head still tokenizing)
+POLL_IDLE = 0.5  # s to wait on the feed when every chunk made so far is done
 
 
 class WorkersLost(RuntimeError):
@@ -60,6 +64,16 @@ def cut(
     return chunks
 
 
+def gather(requests: Iterable, total: int | None) -> list:
+    """`Executor.run`'s requests as one list: they are a list, or (with `total`) pieces of one."""
+    if total is None:
+        return list(requests)
+    whole = [r for piece in requests for r in piece]
+    if len(whole) != total:
+        raise RuntimeError(f"{len(whole)} requests where {total} were announced")
+    return whole
+
+
 class Merge:
     """Results placed at their global index; each index exactly once."""
 
@@ -88,17 +102,25 @@ class Merge:
 class _Flight:
     """What dispatch knows between two results: chunks queued, in flight (per worker), done; worker speeds."""
 
-    def __init__(self, chunks: Sequence[Sequence[int]], costs: Sequence[float], pool: "Pool", submit: Callable) -> None:
-        self.costs, self.pool, self.submit = costs, pool, submit
+    def __init__(self, costs: Sequence[float], pool: "Pool", submit: Callable) -> None:
+        self.costs, self.pool, self.submit = list(costs), pool, submit
         self.start = time.monotonic()
         n = len(pool.workers)
-        self.queue = list(range(len(chunks)))[::-1]  # pop() takes the next chunk
-        self.done = [False] * len(chunks)
-        self.copies = [0] * len(chunks)  # copies in flight
+        self.queue = list(range(len(costs)))[::-1]  # pop() takes the next chunk
+        self.done = [False] * len(costs)
+        self.copies = [0] * len(costs)  # copies in flight
         self.refs: dict[Any, tuple[int, int]] = {}  # ref -> (worker index, chunk index)
         self.held: list[list[int]] = [[] for _ in range(n)]  # chunks in flight per worker, in submission order
         self.since = [self.start] * n  # when each worker's first held chunk started running (at best)
         self.work = [0.0] * n  # cost finished per worker: its speed is work / elapsed
+
+    def add(self, costs: Sequence[float]) -> None:
+        """More chunks (numbered on from the last), queued behind those already waiting."""
+        first = len(self.costs)
+        self.costs.extend(costs)
+        self.done.extend([False] * len(costs))
+        self.copies.extend([0] * len(costs))
+        self.queue[:0] = range(len(self.costs) - 1, first - 1, -1)
 
     def send(self, w: int, c: int) -> None:
         if not self.held[w]:
@@ -123,7 +145,7 @@ class _Flight:
             return best
         return None
 
-    def fill(self, depth: int) -> None:
+    def fill(self, depth: int, backups: bool = True) -> None:
         """Top every live worker up to `depth` chunks, one level at a time so work spreads evenly."""
         for level in range(1, depth + 1):
             for w in sorted(self.pool.alive):
@@ -131,7 +153,7 @@ class _Flight:
                     continue
                 while self.queue and self.done[self.queue[-1]]:
                     self.queue.pop()
-                c = self.queue.pop() if self.queue else (self.backup_for(w) if not self.held[w] else None)
+                c = self.queue.pop() if self.queue else (self.backup_for(w) if backups and not self.held[w] else None)
                 if c is not None:
                     self.send(w, c)
 
@@ -164,24 +186,40 @@ def dispatch(
     *,
     depth: int = 2,
     revive_timeout: float = 600.0,
+    more: Callable[[float], Sequence[float] | None] | None = None,
 ) -> None:
     """Run every chunk once on some worker; `on_result(worker_index, chunk_index, value)` gets the first copy.
 
-    `submit(worker, chunk_index)` returns a Ray object ref. Raises WorkersLost when no worker is left and none
-    comes back within `revive_timeout` seconds; results already passed to `on_result` stay delivered.
+    `submit(worker, chunk_index)` returns a Ray object ref. `more(timeout)`, when given, is asked between results
+    for chunks made meanwhile (the head still tokenizing): it returns the costs of chunks it appended to the
+    caller's list (numbered on from the last), [] when none is ready yet, None once nothing more will come.
+    Backups wait until the feed is over. Raises WorkersLost when no worker is left and none comes back within
+    `revive_timeout` seconds; results already passed to `on_result` stay delivered.
     """
     import ray
     from ray.exceptions import RayActorError
 
-    f = _Flight(chunks, costs, pool, submit)
+    f = _Flight(costs, pool, submit)
     left = len(chunks)
-    while left:
-        f.fill(depth)
+    feeding = more is not None
+    while left or feeding:
+        if feeding:
+            new = more(0.0 if left else POLL_IDLE)
+            if new is None:
+                feeding = False
+            else:
+                f.add(new)
+                left += len(new)
+            if not left:
+                continue
+        f.fill(depth, backups=not feeding)
         if not f.refs and not pool.reviving:
             raise WorkersLost("every worker is lost")
-        timeout = None if f.refs else revive_timeout
+        timeout = (POLL if feeding else None) if f.refs else revive_timeout
         ready, _ = ray.wait(list(f.refs) + list(pool.reviving), num_returns=1, timeout=timeout)
         if not ready:
+            if f.refs:
+                continue  # only polling the feed
             raise WorkersLost(f"every worker is lost and none came back within {revive_timeout:.0f} s")
         ref = ready[0]
         if ref in pool.reviving:
@@ -198,3 +236,40 @@ def dispatch(
             on_result(w, c, value)
     for ref in f.refs:  # backups still running: their results are no longer needed
         ray.cancel(ref)
+
+
+class Feed:
+    """Pieces of work made by a background thread (the head tokenizing lm-eval's requests) while dispatch runs;
+    the thread's error, if any, is raised by `take`."""
+
+    _END = object()
+
+    def __init__(self, pieces: Iterable[Any]) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._over = False
+        self._thread = threading.Thread(target=self._produce, args=(pieces,), daemon=True, name="orchard-feed")
+        self._thread.start()
+
+    def _produce(self, pieces: Iterable[Any]) -> None:
+        try:
+            for piece in pieces:
+                self._queue.put(piece)
+            self._queue.put(self._END)
+        except BaseException as e:  # handed to the consumer, which raises it in the main thread
+            self._queue.put(e)
+
+    def take(self, timeout: float) -> Any:
+        """The next piece, waiting up to `timeout` s; None if none is ready yet; raises StopIteration at the end."""
+        if self._over:
+            raise StopIteration
+        try:
+            item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if item is self._END:
+            self._over = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._over = True
+            raise item
+        return item

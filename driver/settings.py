@@ -152,10 +152,11 @@ MODEL_ARGS: dict[str, tuple[_Check, str]] = {
     "address": (text, "auto | local | HOST:PORT"),
     "cache": (text, "a result-cache folder"),
     "dashboard": (boolean, "true | false"),
+    "stage": (boolean, "true | false"),
     "threads": (lambda w, v: whole(w, v, 1, "BLAS/OpenMP threads per worker"), "threads per worker"),
     "max_restarts": (lambda w, v: whole(w, v, 0, "restarts of a crashed worker"), "restarts of a crashed worker"),
 }
-RAY_ONLY = ("workers", "address", "cache", "dashboard", "threads", "max_restarts")
+RAY_ONLY = ("workers", "address", "cache", "dashboard", "threads", "max_restarts", "stage")
 
 
 def parse_pairs(text_: str | None, flag: str) -> dict[str, str]:

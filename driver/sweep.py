@@ -40,7 +40,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -49,6 +49,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from worker.spec import NO_STEERING, Intervention, Job, Steering
+
+from .schedule import gather
 
 __all__ = ["SweepError", "SweepFile", "Sweep", "Config", "Prompt", "load_sweep", "run"]
 
@@ -607,8 +609,9 @@ class _Recorder:
     def __init__(self, inner) -> None:
         self.inner, self.calls = inner, []
 
-    def run(self, job: Job, requests: list) -> list:
-        self.calls.append((job.kind, list(requests)))
+    def run(self, job: Job, requests: Iterable, total: int | None = None) -> list:
+        requests = gather(requests, total)
+        self.calls.append((job.kind, requests))
         return self.inner.run(job, requests)
 
     def __getattr__(self, name: str) -> Any:
@@ -623,7 +626,8 @@ class _Replay:
         self.inner, self.calls, self.answers, self.steering = inner, calls, answers, steering
         self.next, self.missed = 0, 0
 
-    def run(self, job: Job, requests: list) -> list:
+    def run(self, job: Job, requests: Iterable, total: int | None = None) -> list:
+        requests = gather(requests, total)
         i, self.next = self.next, self.next + 1
         if i < len(self.calls) and job.steering == self.steering and self.calls[i] == (job.kind, list(requests)):
             return list(self.answers[i])
@@ -710,13 +714,13 @@ def _lm_eval_rows(results: dict) -> tuple[list[tuple[str, str, float, float | No
 
 
 def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, output: Path, cache: str | None = None,
-        threads: int | None = None, echo=print) -> Outcome:  # fmt: skip
+        threads: int | None = None, stage: bool = False, echo=print) -> Outcome:  # fmt: skip
     """Run a checked sweep on one `mlx-ray` model; returns the rows (nothing is written here but the cache
     and lm-eval's results JSON per configuration)."""
     from .evaluation import evaluate, open_model
 
     start = time.monotonic()
-    args = {**sweep.model_args, "workers": workers, "cache": cache or str(output / "cache")}
+    args = {**sweep.model_args, "workers": workers, "cache": cache or str(output / "cache"), "stage": stage}
     for name, value in (("address", address), ("threads", threads)):
         if value is not None:
             args[name] = value

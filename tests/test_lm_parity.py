@@ -79,6 +79,7 @@ def test_prefix_families_stop_strings_and_truncation_match_hf_backend(model_path
     from parity_tasks import LONG_TASKS, coverage
 
     from driver.lm import MLXLM
+    from driver.schedule import gather
     from worker.score import families
 
     common = dict(tasks=LONG_TASKS, task_manager=manager, log_samples=True, verbosity="ERROR")
@@ -86,7 +87,13 @@ def test_prefix_families_stop_strings_and_truncation_match_hf_backend(model_path
     ours_lm = MLXLM(pretrained=str(model_path), batch_size=8)
     seen: list = []
     run = ours_lm.executor.run
-    ours_lm.executor.run = lambda job, requests: seen.append((job.kind, list(requests))) or run(job, requests)
+
+    def recording(job, requests, total=None):
+        requests = gather(requests, total)
+        seen.append((job.kind, requests))
+        return run(job, requests)
+
+    ours_lm.executor.run = recording
     ours = lm_eval.simple_evaluate(model=ours_lm, **common)
     for task in LONG_TASKS:
         mine, theirs = ours["samples"][task], ref["samples"][task]

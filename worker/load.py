@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from .hooks import HookManager, instrument
 from .identity import folder_identity
 from .spec import ModelSpec
+from .staged import StageError
+from .staged import resolve as staged_folder
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -163,7 +165,15 @@ def context_window(config: dict, override: int | None = None) -> int:
 
 
 def resolve(path_or_repo: str, revision: str | None = None, adapter_path: str | None = None) -> Path:
-    """A local folder (validated) or a Hugging Face snapshot (downloaded by mlx-lm's rules)."""
+    """A local folder (validated), this node's staged copy (`staged:<content id>`, worker.staged) or a Hugging
+    Face snapshot (downloaded by mlx-lm's rules)."""
+    try:
+        staged = staged_folder(path_or_repo)
+    except StageError as e:  # not staged here (or incomplete): one line, pinned on the node by the driver
+        raise ModelLoadError(str(e)) from None
+    if staged is not None:
+        validate_local(staged, adapter_path)
+        return staged
     if is_local(path_or_repo):
         path = Path(path_or_repo).expanduser().resolve()
         validate_local(path, adapter_path)

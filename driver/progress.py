@@ -1,0 +1,56 @@
+"""One progress bar for everything a run computes: every request type, every grid cell, on every worker.
+
+lm-eval hands requests over one type at a time, so the bar's total grows as each type arrives; cached results
+are counted apart (in the postfix) so the rate and the ETA are those of the work left. The postfix shows each
+worker's requests/s and share, which is what a user watches on a cluster of uneven Macs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from tqdm import tqdm
+
+
+class Progress:
+    def __init__(self, names: list[str], disable: bool = False) -> None:
+        self.names, self.disable = names, disable
+        self.bar: tqdm | None = None
+        self.done: Counter = Counter()  # requests computed per worker, this bar
+        self.cached = 0
+        self.started = 0.0
+        self.note = ""
+
+    def expect(self, n: int, cached: int, what: str) -> None:
+        """`n` more requests are on their way, `cached` of them already answered from the cache."""
+        if self.bar is None:
+            self.bar = tqdm(total=0, unit="req", disable=self.disable, dynamic_ncols=True)
+            self.started, self.done, self.cached = time.monotonic(), Counter(), 0
+        self.cached += cached
+        self.bar.total += n - cached
+        self.bar.set_description_str(f"{what} on {len(self.names)} workers", refresh=False)
+        self._postfix()
+
+    def advance(self, w: int, n: int, note: str = "") -> None:
+        self.done[self.names[w]] += n
+        self.note = note
+        self._postfix()
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def _postfix(self) -> None:
+        if self.bar is None:
+            return
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        total = sum(self.done.values()) or 1
+        rates = [f"{name.split('@')[0]} {self.done[name] / seconds:.1f}/s {self.done[name] / total:.0%}" for name in self.names]
+        parts = [self.note] if self.note else []
+        parts += [f"{self.cached} cached"] if self.cached else []
+        self.bar.set_postfix_str(" | ".join(parts + rates), refresh=False)
+
+    def close(self) -> None:
+        """End this bar (before printing results); the next `expect` opens a new one."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
