@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker.jobs import run
-from worker.load import ModelLoadError, fingerprint, load
+from worker.load import ModelLoadError, fingerprint, load, resolve
 from worker.spec import Batching, Job, ModelSpec
 
 from .connect import ClusterError
-from .facts import collect, mismatch, slow_blas
+from .facts import collect, mismatch, mlx_device, slow_blas
 from .place import place
 
 
@@ -31,13 +32,29 @@ def _was_restarted() -> bool:
 
 class WorkerActor:
     def __init__(self, spec: ModelSpec, batching: Batching, rank: int = 0):
-        self.rank, self.batching = rank, batching
+        self.rank, self.batching, self.spec = rank, batching, spec
         self.restarted = _was_restarted()
         self.error: ModelLoadError | None = None
         try:
+            self.check_fits(resolve(spec.model, spec.revision, spec.adapter_path))
             self.lm = load(spec)
         except ModelLoadError as e:  # reported by facts(), so the driver prints the one-line message
             self.lm, self.error = None, e
+
+    def memory_for_models(self) -> tuple[float, str]:
+        """(GB this node can give a model, where that figure comes from): Metal's working set, or system memory."""
+        device = mlx_device()
+        return device["model_memory_gb"], device["model_memory_source"]
+
+    def check_fits(self, folder: Path) -> None:
+        """Refuse, in one line, weights larger than the node's memory for models (before MLX tries and swaps)."""
+        need = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**30
+        have, source = self.memory_for_models()
+        if need > have:
+            raise ModelLoadError(
+                f"the model's weights ({need:.1f} GB) do not fit in the {have:.1f} GB this node has for models "
+                f"({source}): use a smaller or quantized model (e.g. an mlx-community 4-bit one), or leave this node out"
+            )
 
     def facts(self) -> dict:
         """Where this worker runs and what it holds; raises the load error if the model did not load."""
@@ -48,6 +65,7 @@ class WorkerActor:
             "rank": self.rank,
             "model_files": fingerprint(self.lm.path),
             "model_path": str(self.lm.path),
+            "adapter_files": fingerprint(Path(self.spec.adapter_path).expanduser()) if self.spec.adapter_path else None,
             "max_length": self.lm.max_length,
             "n_layers": self.lm.n_layers,
             "restarted": self.restarted,

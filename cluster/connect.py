@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,10 +212,19 @@ def _loopback_rewrite(address: str) -> None:
         ) from None
 
 
+def ray_mode(address: str) -> None:
+    """Before Ray is imported (it reads this once): the embedded session stays on loopback (on Linux Ray would
+    otherwise advertise this machine's network address); joining a cluster needs multi-node mode (off by default
+    on macOS). A value the user set wins."""
+    if "ray" not in sys.modules:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0" if address == LOCAL else "1")
+
+
 def resolve(address: str | None) -> tuple[str, str]:
     """(target, source) for a cluster address, all checks done but `ray.init`: target is LOCAL, a ray:// URL,
     or a GCS address that answered and accepts this driver."""
     address, source = source_of(address)
+    ray_mode(address)
     check_syntax(address, source)
     if address == LOCAL or address.startswith("ray://"):
         return address, source
@@ -234,6 +244,7 @@ def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bo
     The embedded Ray binds 127.0.0.1 and offers `local_workers` units of the `mlx` resource, so N workers run on
     this machine exactly as they would on N Macs.
     """
+    ray_mode(source_of(address)[0])
     import ray
 
     if ray.is_initialized():

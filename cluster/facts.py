@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 PACKAGES = ("mlx", "mlx-lm", "lm_eval", "ray", "orchard")
 # What every worker must share: a different mlx, mlx-lm, Orchard or model file can change a number; Ray refuses mixed
 # Python or Ray versions anyway, but later and less clearly. `model_files` is reported by the worker actor.
-MUST_MATCH = ("python", "mlx", "mlx-lm", "orchard", "ray", "model_files")
+MUST_MATCH = ("python", "mlx", "mlx-lm", "orchard", "ray", "model_files", "adapter_files")
 
 
 def _version(package: str) -> str | None:
@@ -131,7 +131,8 @@ def mismatch(facts: list[dict], who: str = "workers") -> str | None:
             values.setdefault(v, []).append(host if unique else f"{host} (node {str(f.get('node_id'))[:8]})")
         if len(values) > 1:
             where = "; ".join(f"{v} on {', '.join(sorted(set(hosts)))}" for v, hosts in sorted(values.items()))
-            fix = "give every Mac the same model files" if key == "model_files" else f"install the same {key} on every Mac"
+            files = {"model_files": "model files", "adapter_files": "adapter files"}
+            fix = f"give every Mac the same {files[key]}" if key in files else f"install the same {key} on every Mac"
             return f"{who} disagree on {key} ({where}): {fix}"
     return None
 

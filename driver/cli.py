@@ -95,8 +95,6 @@ def main() -> None:
     Each Mac joins the cluster with `ray start --address HEAD:6379 --resources='{"mlx": 1}'`; `driver run`
     places one worker per such node. With no --address (and no RAY_ADDRESS) Ray runs on this machine only.
     """
-    # On macOS Ray advertises loopback only, unless multi-node clusters are enabled (read when Ray is imported).
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
 
 
 @main.command()
@@ -412,16 +410,16 @@ def nodes(address: str | None, as_json: bool) -> None:
     BLAS, versions, `mlx` units, alive. Exit 1 when no node offers `mlx` or the `mlx` nodes' versions differ."""
     import json
 
-    import ray
-
     from cluster import ClusterError, connect, node_facts
     from cluster.facts import mismatch, node_line, node_rows, slow_blas
 
     preflight.check_address(address)  # syntax (exit 2), reachable, token authentication: no Ray yet
     try:
-        connection = connect(address)
+        connection = connect(address)  # imports Ray (in the mode the address needs)
     except ClusterError as e:
         raise click.ClickException(str(e)) from None
+    import ray
+
     try:
         facts, table = node_facts(), ray.nodes()
     finally:

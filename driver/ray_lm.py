@@ -106,7 +106,10 @@ class RayExecutor:
         """Block until every worker holds the model; a load failure surfaces here, in one line."""
         if self._facts is None:
             self._facts = ready(self.actors, self._launched, self.spec)
-            self.ident = identity({**self.model_identity, "weights": self._facts[0]["model_files"]})
+            loaded = {"weights": self._facts[0]["model_files"]}  # what the workers hold (all the same: `ready`)
+            if self._facts[0].get("adapter_files"):
+                loaded["adapter"] = self._facts[0]["adapter_files"]
+            self.ident = identity({**self.model_identity, **loaded})
             self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(self._facts)]
             self.progress = Progress(self.names)
         return self._facts

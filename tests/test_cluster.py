@@ -154,6 +154,8 @@ def test_mixed_versions_or_model_files_are_refused_in_one_line():
     assert message == "workers disagree on mlx (0.31.0 on mac2; 0.32.4 on mac1): install the same mlx on every Mac"
     message = orchard_cluster.mismatch([base, {**base, "hostname": "mac2", "model_files": "cd"}])
     assert "workers disagree on model_files" in message and "same model files" in message
+    message = orchard_cluster.mismatch([{**base, "adapter_files": "x"}, {**base, "hostname": "mac2", "adapter_files": "y"}])
+    assert "workers disagree on adapter_files (x on mac1; y on mac2): give every Mac the same adapter files" == message
 
 
 def _dispatch(pool, chunks, **kw):
@@ -396,3 +398,21 @@ def test_cli_refuses_more_workers_than_mlx_nodes(ray_cluster, llama_path, tasks_
     assert result.exit_code == 1, result.output
     assert "Error: --workers 5 needs 5 `mlx` nodes but the cluster has 4 (4 nodes)" in result.output
     assert "Traceback" not in result.output
+
+
+class SmallNode(WorkerActor):
+    """A node with 1 KB for models: even the tiny test model does not fit."""
+
+    def memory_for_models(self) -> tuple[float, str]:
+        return 1 / 2**20, "system memory"
+
+
+def test_a_model_too_large_for_a_node_is_refused_in_one_line_before_loading(ray_cluster, llama_path):
+    model = type("SmallRayLM", (MLXRayLM,), {"actor_cls": SmallNode})
+    lm = model(pretrained=str(llama_path), workers=2)
+    with pytest.raises(ValueError) as e:
+        lm.executor.wait_ready()  # the workers start with the model; their refusal surfaces at the first job
+    message = str(e.value)
+    assert "\n" not in message
+    assert "do not fit in the 0.0 GB this node has for models (system memory): use a smaller or quantized model" in message
+    assert message.startswith("worker w0 on ") and "(127.0.0.1, node " in message and "cannot load the model: " in message
