@@ -29,6 +29,7 @@ from worker.load import context_window, fingerprint, is_local, load, resolve
 from worker.spec import NO_STEERING, Batching, Job, ModelSpec, Steering
 
 from .schedule import gather
+from .tokenize import Plan, iter_encode_pairs, make_plan
 from .steer import check, load_steering, model_shape
 
 TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
@@ -44,6 +45,14 @@ class Executor(Protocol):
 
 
 FIRST_PIECE, LARGEST_PIECE = 256, 8192  # requests: the first piece small, to start workers within a second
+
+
+SPOT_CHECKS = 4  # requests per piece re-tokenized by lm-eval's own path
+
+
+def spot_checks(lo: int, hi: int) -> list[int]:
+    """Which requests of piece [lo, hi) to compare with lm-eval's path: its first, last and evenly between."""
+    return sorted({lo + (hi - 1 - lo) * k // (SPOT_CHECKS - 1) for k in range(SPOT_CHECKS)}) if hi > lo else []
 
 
 def pieces(contexts: Sequence[str]) -> Iterator[tuple[int, int]]:
@@ -162,6 +171,7 @@ class OrchardLM(TemplateLM):
         self.generation_defaults = json.loads(gen_config.read_text()) if gen_config.exists() else {}
         self._max_length = context_window(config, self.spec.max_length)
         self.max_gen_toks = int(max_gen_toks)
+        self._token_plan: Plan | None = None  # what driver.tokenize proved for this tokenizer (on first use)
         self.steering, self.steering_record = NO_STEERING, None
         if steer is not None and steer != "":
             loaded = load_steering(steer)  # checked against the model before any worker starts
@@ -252,12 +262,13 @@ class OrchardLM(TemplateLM):
         """TemplateLM.loglikelihood, streamed: requests are tokenized in pieces on a background thread (the Feed
         of driver.schedule) and each piece goes to the workers as soon as it is ready."""
         pairs = [r.args for r in requests]
+        bounds = list(pieces([context for context, _ in pairs]))
         bar = tqdm(total=len(pairs), desc="Tokenizing", unit="req", disable=disable_tqdm)
 
         def encoded() -> Iterator[list[TokenPair]]:
-            for lo, hi in pieces([context for context, _ in pairs]):
-                yield self.encode_pairs(pairs[lo:hi])
-                bar.update(hi - lo)
+            for piece in self.encode_pieces(pairs, bounds):
+                yield piece
+                bar.update(len(piece))
             bar.close()
 
         results = self.executor.run(self.job("loglikelihood"), encoded(), total=len(pairs))
@@ -265,18 +276,32 @@ class OrchardLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood", args, answer)
         return results
 
-    def encode_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[TokenPair]:
+    def encode_pieces(self, pairs: Sequence[tuple[str, str]], bounds: list[tuple[int, int]]) -> Iterator[list[TokenPair]]:
         """Token ids of (context, continuation) pairs exactly as TemplateLM.loglikelihood makes them (the
-        empty-context rule, trailing spaces moved to the continuation)."""
-        out = []
-        for context, continuation in pairs:
-            if context == "":
-                cont = self.tok_encode(continuation, add_special_tokens=False)
-                ctx, cont = ([self.prefix_token_id], cont) if self.prefix_token_id != cont[0] else (cont[:1], cont[1:])
-            else:
-                ctx, cont = self._encode_pair(context, continuation)
-            out.append((tuple(ctx), tuple(cont)))
-        return out
+        empty-context rule, trailing spaces moved to the continuation), piece by piece ([lo, hi) `bounds`):
+        driver.tokenize's batch path, each piece spot-checked against lm-eval's own per-request path. A mismatch
+        would be a wrong number: the rest of the run then takes lm-eval's path, with a warning."""
+        if self._token_plan is None:
+            self._token_plan = make_plan(self.tokenizer)
+        plan = self._token_plan
+        fast = iter_encode_pairs(self.tokenizer, pairs, self.prefix_token_id, bounds=bounds, plan=plan, parallel=True)
+        for (lo, hi), piece in zip(bounds, fast):
+            if plan.backend is not None and self._token_plan is plan:
+                if any(piece[i - lo] != self._exact(*pairs[i]) for i in spot_checks(lo, hi)):
+                    print("warning: fast tokenization differs from lm-eval's on a request: using lm-eval's path", file=sys.stderr)
+                    self._token_plan = Plan(self.tokenizer, reason="a spot check failed")
+            if self._token_plan is not plan:
+                piece = [self._exact(*p) for p in pairs[lo:hi]]
+            yield piece
+
+    def _exact(self, context: str, continuation: str) -> TokenPair:
+        """One request through lm-eval's own code (TemplateLM._encode_pair with this model's tok_encode)."""
+        if context == "":
+            cont = self.tok_encode(continuation, add_special_tokens=False)
+            ctx, cont = ([self.prefix_token_id], cont) if self.prefix_token_id != cont[0] else (cont[:1], cont[1:])
+        else:
+            ctx, cont = self._encode_pair(context, continuation)
+        return tuple(ctx), tuple(cont)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         pairs = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
