@@ -37,6 +37,8 @@ from pydantic import field_validator
 from worker.load import model_shape
 from worker.spec import OPS, POSITIONS, SITES, Intervention, Steering, SteeringError
 
+from .userfiles import explain, short
+
 __all__ = ["SteeringError", "SteeringRun", "SpecFile", "load_steering", "check", "model_shape"]
 
 _PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin")
@@ -132,11 +134,6 @@ def _field_path(loc: tuple) -> str:
     return out
 
 
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _unknown_field(loc: tuple) -> str:
     model = SpecFile if len(loc) == 1 else VectorRef if "vector" in loc else InterventionSpec
     allowed = list(model.model_fields)
@@ -156,34 +153,10 @@ def _explain(err: dict) -> str:
     if kind == "extra_forbidden":
         return _unknown_field(loc)
     if kind == "literal_error":
-        return f"{_short(value)} is not allowed (use one of: {', '.join(_ALLOWED.get(name, ()))})"
-    if kind.startswith("int_"):
-        return f"must be an integer, not {_short(value)}"
-    if kind == "finite_number":
-        return f"must be a finite number, not {value}"
-    if kind.startswith("float_"):
-        if isinstance(value, str) and _is_number(value):  # PyYAML reads `1e3` as text
-            return f"{_short(value)} is text, not a number (in YAML write 1000 or 1.0e+3, without quotes)"
-        return f"must be a number, not {_short(value)}"
-    if kind.startswith("bool_"):
-        return f"must be true or false, not {_short(value)}"
+        return f"{short(value)} is not allowed (use one of: {', '.join(_ALLOWED.get(name, ()))})"
     if kind == "vector_form":
-        return f"must be a path to a .npy file or {{file: ..., key: ...}}, not {_short(value)}"
-    if kind in ("list_type", "tuple_type"):
-        return f"must be a list of interventions, not {_short(value)}"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"must be a mapping of fields, not {_short(value)}"
-    if kind.startswith("string_"):
-        return f"must be a string, not {_short(value)}"
-    return err["msg"]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+        return f"must be a path to a .npy file or {{file: ..., key: ...}}, not {short(value)}"
+    return explain(err, list_of="a list of interventions")
 
 
 def _validate(data: Any, where: str) -> SpecFile:

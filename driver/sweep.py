@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import difflib
 import itertools
-import json
 import math
 import os
 import re
@@ -51,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from worker.spec import NO_STEERING, Intervention, Job, Steering
 
 from .schedule import gather
+from .userfiles import explain, jsonl_lines, short
 
 __all__ = ["SweepError", "SweepFile", "Sweep", "Config", "Prompt", "load_sweep", "run"]
 
@@ -270,7 +270,6 @@ def _loc(loc: Sequence) -> str:
 
 def _explain(err: dict) -> str:
     kind, loc, value = err["type"], [p for p in err["loc"] if not _is_tag(p)], err.get("input")
-    text = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
     if kind == "missing":
         return "missing (this field is required)"
     if kind == "extra_forbidden":
@@ -280,26 +279,8 @@ def _explain(err: dict) -> str:
         near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
         return f"unknown field ({'did you mean ' + repr(near[0]) + '? ' if near else ''}allowed: {', '.join(allowed)})"
     if kind == "literal_error":
-        return f"{text} is not allowed ({err['msg'].replace('Input should be ', 'use ')})"
-    if kind.startswith("int_"):
-        return f"must be an integer, not {text}"
-    if kind == "finite_number":
-        return f"must be a finite number, not {text}"
-    if kind.startswith("float_"):
-        return f"must be a number, not {text}"
-    if kind.startswith("bool_"):
-        return f"must be true or false, not {text}"
-    if kind in ("greater_than", "greater_than_equal"):
-        return err["msg"].replace("Input should be", "must be") + f", not {text}"
-    if kind == "value_error":
-        return err["msg"].removeprefix("Value error, ")
-    if kind in ("list_type", "tuple_type"):
-        return f"must be a list, not {text}"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"must be a mapping of fields, not {text}"
-    if kind.startswith("string_"):
-        return f"must be a string, not {text}"
-    return err["msg"]
+        return f"{short(value)} is not allowed ({err['msg'].replace('Input should be ', 'use ')})"
+    return explain(err)
 
 
 def _validate(data: Any, where: str) -> SweepFile:
@@ -489,23 +470,10 @@ def _configs(spec: SweepFile, layers: list[int], shape, base: Path, where: str) 
 
 def read_prompts(path: Path, where: str) -> list[Prompt]:
     """A prompt set: one {"prompt": str, optional "targets": {name: str}} per line; blank lines skipped."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SweepError(f"{where}: prompts: {path} does not exist") from None
-    except IsADirectoryError:
-        raise SweepError(f"{where}: prompts: {path} is a folder, not a JSONL file") from None
-    except UnicodeDecodeError as e:
-        raise SweepError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
     prompts: list[Prompt] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    missing, folder = f"{where}: prompts: {path} does not exist", f"{where}: prompts: {path} is a folder, not a JSONL file"
+    for n, obj in jsonl_lines(path, SweepError, missing, folder):
         at = f"{path}: line {n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SweepError(f"{at}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise SweepError(f"{at}: expected a JSON object with a \"prompt\", got {type(obj).__name__}")
         unknown = sorted(set(obj) - {"prompt", "targets"})

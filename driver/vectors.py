@@ -18,6 +18,8 @@ import numpy as np
 
 from worker.spec import SITES
 
+from .userfiles import jsonl_lines
+
 METHODS = ("mean-diff", "pca-diff", "pca-center")
 _FIELDS = ("prompt", "positive", "negative")
 
@@ -60,23 +62,8 @@ def _pair(obj, where: str) -> Pair:
 def read_pairs(path: str | os.PathLike) -> list[Pair]:
     """Pairs from JSONL: one {"positive": ..., "negative": ..., optional "prompt": ...} per line; blank lines skipped."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PairsError(f"pairs file not found: {path}") from None
-    except IsADirectoryError:
-        raise PairsError(f"pairs file is a folder: {path}") from None
-    except UnicodeDecodeError as e:
-        raise PairsError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
-    pairs = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PairsError(f"{path}: line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
-        pairs.append(_pair(obj, f"{path}: line {n}"))
+    lines = jsonl_lines(path, PairsError, f"pairs file not found: {path}", f"pairs file is a folder: {path}")
+    pairs = [_pair(obj, f"{path}: line {n}") for n, obj in lines]
     if not pairs:
         raise PairsError(f"{path}: no pairs (the file is empty): write one JSON object per line")
     return pairs
