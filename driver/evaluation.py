@@ -11,6 +11,12 @@ from typing import Any
 import click
 
 
+DATASET_HINT = (
+    "put it in the datasets cache (HF_DATASETS_CACHE; e.g. a prepared cais___mmlu folder, see README) or allow "
+    "downloads (unset HF_DATASETS_OFFLINE and HF_HUB_OFFLINE)"
+)
+
+
 def parse_seeds(value: str) -> dict[str, int | None]:
     """lm-eval's --seed: one integer for all four seeds, or four comma-separated values (None keeps one unset)."""
     parts = [p.strip() for p in value.split(",")]
@@ -115,6 +121,8 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
         )
     except ClusterError as e:
         raise click.ClickException(lost_workers_line(str(e), lm)) from None
+    except ConnectionError as e:  # `datasets` cannot fetch a task's data (offline, or the Hub unreachable)
+        raise click.ClickException(f"a task's dataset cannot be loaded: {e}: {DATASET_HINT}") from None
     results["config"]["model"] = "mlx-ray"
     return Evaluation(results, lm.executor.info(), tracker)
 
