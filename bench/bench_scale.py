@@ -80,6 +80,8 @@ def timed_run(instances: list, workers: int, speed: float, cache: Path) -> tuple
 
     from driver.ray_lm import MLXRayLM
 
+    if SleepingWorker.__module__ != "__main__":  # imported (not run): workers cannot import this file
+        ray.cloudpickle.register_pickle_by_value(sys.modules[SleepingWorker.__module__])
     worker = type("Worker", (SleepingWorker,), {"speed": speed})
     model = type("SimulatedLM", (MLXRayLM,), {"actor_cls": worker})
     lm = model(pretrained=str(MODEL), workers=workers, cache=str(cache))  # on this process's Ray session

@@ -25,7 +25,8 @@ class Progress:
     def expect(self, n: int, cached: int, what: str) -> None:
         """`n` more requests are on their way, `cached` of them already answered from the cache."""
         if self.bar is None:
-            self.bar = tqdm(total=0, unit="req", disable=self.disable, dynamic_ncols=True)
+            quiet = {"disable": True} if self.disable else {}  # else tqdm's own default (TQDM_DISABLE=1 silences it)
+            self.bar = tqdm(total=0, unit="req", dynamic_ncols=True, **quiet)
             self.started, self.done, self.cached = time.monotonic(), Counter(), 0
         self.cached += cached
         self.bar.total += n - cached

@@ -25,7 +25,8 @@ from worker.grid import KINDS as GRID_KINDS
 from worker.score import families
 from worker.spec import Batching, Job, ModelSpec, Steering
 
-from .cache import Cache, grid_keys, identity, job_prefix, key
+from .cache import Cache, grid_keys, identity, job_prefix
+from .cache import keys as cache_keys
 from .lm import OrchardLM, _bool
 from .progress import Progress
 from .schedule import PER_WORKER, Feed, Merge, WorkersLost, cut, dispatch
@@ -159,10 +160,10 @@ class RayExecutor:
             offset, cached = len(todo), merge.count
             todo.extend(piece)
             if self.cache is not None:
-                keys.extend(key(prefix, kind, r) for r in piece)
+                keys.extend(cache_keys(prefix, kind, piece))
                 self._from_cache(kind, merge, keys[offset:], offset)
                 self.progress.expect(0, merge.count - cached, kind)
-            new = self._cut(kind, piece, offset, merge.filled)
+            new = self._cut(kind, piece, offset, merge.filled, later=total - len(todo))
             chunks.extend(indices for indices, _ in new)
             return [cost for _, cost in new]
 
@@ -188,8 +189,9 @@ class RayExecutor:
             raise RuntimeError(f"the head made {len(todo)} {kind} requests where it announced {total}")
         return merge.result()
 
-    def _cut(self, kind: str, piece: list, offset: int, filled: bytearray) -> list[tuple[list[int], int]]:
-        """(global request indices, token cost) per chunk of one piece's requests not answered yet."""
+    def _cut(self, kind: str, piece: list, offset: int, filled: bytearray, later: int = 0) -> list[tuple[list[int], int]]:
+        """(global request indices, token cost) per chunk of one piece's requests not answered yet; `later`
+        requests are still to come (costed at this piece's mean), so the piece's last chunks stay full size."""
         costs, groups = self._plan(kind, piece)
         groups = [g for g in ([i for i in g if not filled[offset + i]] for g in groups) if g]
         chunks = cut(
@@ -198,6 +200,7 @@ class RayExecutor:
             workers=max(1, len(self.pool.alive)),
             max_tokens=8 * self.batching.max_batch_tokens,
             min_tokens=max(1, self.batching.max_batch_tokens // 8),
+            after=later * sum(costs) // max(1, len(costs)),
         )
         return [([offset + i for i in ch], sum(costs[i] for i in ch)) for ch in chunks]
 

@@ -28,15 +28,22 @@ class WorkersLost(RuntimeError):
 
 
 def cut(
-    costs: Sequence[int], families: Sequence[Sequence[int]], *, workers: int, max_tokens: int, min_tokens: int
+    costs: Sequence[int],
+    families: Sequence[Sequence[int]],
+    *,
+    workers: int,
+    max_tokens: int,
+    min_tokens: int,
+    after: int = 0,
 ) -> list[list[int]]:
     """Chunks of request indices: longest families first, a family whole unless it alone exceeds `max_tokens`.
 
     The budget of each chunk is a share of the tokens not yet cut, within [min_tokens, max_tokens]: chunks shrink
-    toward the end of the queue, so the last ones finish close together even on uneven workers.
+    toward the end of the queue, so the last ones finish close together even on uneven workers. `after`: tokens
+    still to come in later pieces of a streamed run (the end of this piece is not the end of the queue).
     """
     order = sorted(families, key=lambda f: -max(costs[i] for i in f))
-    remaining = sum(costs)
+    remaining = sum(costs) + after
     chunks: list[list[int]] = []
     current: list[int] = []
     used = 0

@@ -53,6 +53,16 @@ def test_each_budget_is_a_share_of_the_tokens_not_yet_cut():
     assert [i for c in chunks for i in c] == list(range(1000))  # equal costs: the order given
 
 
+def test_a_streamed_piece_keeps_full_budgets_when_more_tokens_come_after_it():
+    costs = [10] * 100
+    alone = cut(costs, [[i] for i in range(100)], workers=2, max_tokens=300, min_tokens=20)
+    streamed = cut(costs, [[i] for i in range(100)], workers=2, max_tokens=300, min_tokens=20, after=100_000)
+    assert [len(c) for c in streamed] == [30, 30, 30, 10]  # max budget to the end: the queue goes on after it
+    assert len(alone) > len(streamed) and len(alone[-1]) == 2  # alone, its chunks shrink toward its end
+    first = cut(costs, [[i] for i in range(100)], workers=8, max_tokens=10**6, min_tokens=1, after=50_000)[0]
+    assert len(first) == math.ceil((1000 + 50_000) / (PER_WORKER * 8)) // 10  # the budget counts tokens to come
+
+
 def test_a_family_over_budget_is_split_in_order():
     costs = [10] * 30
     chunks = cut(costs, [list(range(30))], workers=1, max_tokens=100, min_tokens=100)

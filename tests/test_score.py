@@ -312,3 +312,24 @@ def test_steering_sees_the_same_positions_with_and_without_a_shared_prefix(lm, p
     assert sum(moved) > len(moved) // 2, positions
     if positions == "continuation":
         assert all(abs(reused[i][0] - plain[i][0]) <= 1e-4 for i in range(len(reqs)) if i not in acted)
+
+
+def test_shared_prefix_length_equals_a_plain_scan():
+    import random
+
+    from worker.score import _shared_len
+
+    def scan(a, b, limit):
+        n = 0
+        for x, y in zip(a[:limit], b[:limit]):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        a = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 30)))
+        b = a[: rng.randint(0, len(a))] + tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 30)))
+        limit = rng.randint(0, 40)
+        assert _shared_len(a, b, limit) == scan(a, b, limit), (a, b, limit)

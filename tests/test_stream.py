@@ -166,3 +166,14 @@ def test_workers_start_on_the_first_piece_while_the_head_tokenizes_the_rest(ray_
     want = local_lm.loglikelihood(instances(pairs), disable_tqdm=True)
     assert max(abs(a - b) for (a, _), (b, _) in zip(got, want)) < 1e-4
     assert [g for _, g in got] == [g for _, g in want]
+
+
+def test_batched_cache_keys_equal_one_key_per_request(local_lm):
+    from driver.cache import key, keys
+
+    pairs = questions(30) + [("", " x")]
+    encoded = [p for piece in local_lm.encode_pieces(pairs, [(0, len(pairs))]) for p in piece]
+    prefix = b"0123456789abcdef"
+    assert keys(prefix, "loglikelihood", encoded) == [key(prefix, "loglikelihood", r) for r in encoded]
+    copies = [(tuple(c), tuple(x)) for c, x in encoded]  # equal contents in other objects: the same keys
+    assert keys(prefix, "loglikelihood", copies) == keys(prefix, "loglikelihood", encoded)
