@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +184,6 @@ def run(
         model, extra, output_path=output_path, cache=cache, apply_chat_template=apply_chat_template, tasks=tasks,
         include_path=include_path, steer=steer, address=address,
     )  # fmt: skip
-    plan.manager = preflight.task_manager(plan.names, include_path)  # the expensive part starts here
     args: dict[str, Any] = {
         **extra,
         "pretrained": model,
@@ -195,12 +196,30 @@ def run(
     for name, value in (("address", address), ("max_length", max_length), ("threads", threads), ("steer", steer)):
         if value is not None:
             args[name] = value
+    # The expensive part starts here: lm-eval indexes its task YAMLs (Python, seconds) while Ray starts (mostly
+    # waiting on processes) and the workers load the model.
+    indexing = in_background(preflight.task_manager, plan.names, include_path)
     lm = open_model(args)
     try:
+        plan.manager = indexing.result()
         done = evaluate(lm, args, plan, output_path)
     finally:
         lm.executor.close()
     save(done, output_path, time.monotonic() - start)
+
+
+def in_background(fn, *args) -> Future:
+    """fn(*args) on a daemon thread: a failure elsewhere meanwhile does not wait for it."""
+    future: Future = Future()
+
+    def work() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # raised by .result() in the caller's thread
+            future.set_exception(e)
+
+    threading.Thread(target=work, daemon=True, name="orchard-background").start()
+    return future
 
 
 def _check_workers(workers: str) -> None:

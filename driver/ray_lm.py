@@ -33,7 +33,8 @@ from .schedule import PER_WORKER, Feed, Merge, WorkersLost, cut, dispatch
 
 
 def _shutdown(actors: list, cache: Cache | None, connection) -> None:
-    stop(actors)
+    if not connection.embedded:  # an embedded Ray goes down whole with its actors; a cluster stays up for others
+        stop(actors)
     if cache is not None:
         cache.close()
     connection.close()
