@@ -177,3 +177,24 @@ def test_batched_cache_keys_equal_one_key_per_request(local_lm):
     assert keys(prefix, "loglikelihood", encoded) == [key(prefix, "loglikelihood", r) for r in encoded]
     copies = [(tuple(c), tuple(x)) for c, x in encoded]  # equal contents in other objects: the same keys
     assert keys(prefix, "loglikelihood", copies) == keys(prefix, "loglikelihood", encoded)
+
+
+def test_one_progress_bar_counts_every_request_type_and_keeps_cached_ones_apart():
+    import io
+
+    from driver.progress import Progress
+
+    progress = Progress(["w0@a", "w1@b"])
+    progress.expect(100, 40, "loglikelihood")  # 100 requests, 40 of them from the cache
+    bar = progress.bar
+    bar.fp = io.StringIO()
+    progress.advance(0, 50)
+    progress.expect(10, 0, "generate")  # the next request type: the same bar grows
+    assert progress.bar is bar and bar.total == 70 and bar.n == 50
+    progress.advance(1, 20, "configs 3/4")
+    assert bar.n == 70 and "40 cached" in bar.postfix and "configs 3/4" in bar.postfix
+    assert "w0 " in bar.postfix and "71%" in bar.postfix and "w1 " in bar.postfix and "29%" in bar.postfix
+    progress.close()
+    progress.expect(5, 0, "loglikelihood")  # after close (results printed), a new bar
+    assert progress.bar is not bar and progress.bar.total == 5 and progress.cached == 0
+    progress.close()
