@@ -436,3 +436,207 @@ def test_rows_track_real_positions_and_pads(llama):
         assert all(r == [True] for r in call["generated"]) and all(r == [False] for r in call["prompt"])
         assert all(r == [True] for r in call["last"])  # the token fed is each row's newest, so its last
     assert len(rec.calls) == max(g for _, g in lengths)
+
+
+# --- request contract, warper edges, scripted outputs ------------------------------------------------
+
+
+def scripted(lm, script):
+    """`lm` (EOS off) whose head adds a 1e4 logit to token script[n] at forward n (0: the prefill), every row:
+    the kernel's rules then act on a known token sequence. Returns the model and its forward counter."""
+    calls = []
+
+    def head(h):
+        logits = lm.head.head(h)
+        n = len(calls)
+        calls.append(1)
+        if n < len(script):
+            return logits + mx.zeros((logits.shape[-1],)).at[script[n]].add(1e4)
+        return logits
+
+    return dataclasses.replace(with_eos(lm, []), head=dataclasses.replace(lm.head, head=head)), calls
+
+
+def test_request_defaults_follow_lm_eval_and_hf():
+    r = GenRequest((1, 2))
+    # lm-eval's HF backend: max_gen_toks 256, greedy unless do_sample; HF's sampling defaults: top_k 50, top_p 1.
+    assert (r.until, r.max_gen_toks, r.do_sample, r.temperature, r.top_p, r.seed, r.top_k) == ((), 256, False, 0.0, 1.0, 0, 50)
+    assert r.greedy and GenRequest((1,), temperature=0.7).greedy and GenRequest((1,), do_sample=True).greedy
+    assert not GenRequest((1,), do_sample=True, temperature=0.5).greedy
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.seed = 1  # type: ignore[misc]
+    assert len({r, GenRequest((1, 2))}) == 1  # hashable by value: the driver dedupes and keys requests
+
+
+def test_top_p_edges_match_hf_rules(llama):
+    import numpy as np
+
+    def warp(rows, **kw):
+        reqs = [GenRequest((1,), do_sample=True, temperature=1.0, top_k=0, **k) for k in kw["settings"]]
+        return np.array(warp_logits(mx.array(np.array(rows, np.float32)), reqs))
+
+    logits = np.random.default_rng(1).standard_normal((2, 40)).astype(np.float32)
+    # top_p = 0 is allowed (as in HF) and keeps exactly the best token: at least one token always survives.
+    out = warp(logits, settings=[dict(top_p=0.0), dict(top_p=1e-9)])
+    for row in range(2):
+        assert np.flatnonzero(~np.isinf(out[row])).tolist() == [int(np.argmax(logits[row]))]
+    # HF removes a token whose cumulative mass (ascending order) is <= 1 - top_p: at equality it goes too.
+    flat = [[0.0, 0.0, 0.0, 0.0]] * 3
+    out = warp(flat, settings=[dict(top_p=0.75), dict(top_p=0.5), dict(top_p=1.0)])
+    assert np.isinf(out).sum(axis=-1).tolist() == [1, 2, 0]
+    # A top_p = 1 row next to a top_p < 1 row keeps every token, even ones whose probability underflows to 0.
+    wide = [[0.0, -200.0, -300.0, 5.0]] * 2
+    out = warp(wide, settings=[dict(top_p=1.0), dict(top_p=0.9)])
+    assert np.isfinite(out[0]).all() and np.isinf(out[1]).sum() == 3
+    # ... and in generation: a top_p = 0 request is valid and samples the greedy tokens whatever its seed.
+    m = with_eos(llama, [])
+    base = GenRequest(ids(m, PROMPTS[4]), max_gen_toks=6, do_sample=True, temperature=1.5, top_k=0)
+    greedy = generate_tokens(m, [dataclasses.replace(base, do_sample=False)])[0]
+    assert all(generate_tokens(m, [dataclasses.replace(base, top_p=0.0, seed=s)])[0] == greedy for s in range(3))
+
+
+def test_long_stop_string_of_byte_tokens(llama):
+    # "𝄞" is four byte tokens in this tokenizer: a stop string of 17 of them ends 68 tokens after it starts, so
+    # the re-decode window must reach back over all of them (a shorter stop string in `until` must not shrink it).
+    tok = llama.tokenizer
+    clef = tok.encode("𝄞", add_special_tokens=False)
+    assert len(clef) == 4 and tok.decode(clef) == "𝄞"
+    head, tail = tok.encode(" king and", add_special_tokens=False), tok.encode(" the", add_special_tokens=False)
+    script = head + clef * 17 + tail * 4
+    m, calls = scripted(llama, script)
+    req = GenRequest(ids(m, PROMPTS[0]), until=("zzzz", "𝄞" * 17), max_gen_toks=len(script))
+    assert generate_tokens(m, [req])[0] == script[: len(head) + 68]
+    calls.clear()
+    assert generate(m, [req])[0] == " king and"
+    calls.clear()
+    assert generate_tokens(m, [dataclasses.replace(req, until=("𝄞" * 18,))])[0] == script  # never completed
+
+
+def test_sample_key_stream_is_pinned():
+    """Step t of a sampled row draws with key t of split(key(seed mod 2**64), max(2, max_gen_toks)). Pinned, so a
+    seed gives the same draws in later versions of the kernel; negative seeds wrap instead of failing."""
+    from worker.generate import _sample_keys
+
+    def keys(n, seed):
+        return _sample_keys(GenRequest((1,), max_gen_toks=n, do_sample=True, temperature=1.0, seed=seed)).tolist()
+
+    assert keys(1, 5) == keys(2, 5) == [[3594430910, 534832770], [1784718894, 3813648515]]
+    assert keys(3, 5) == [[2939540675, 3006210766], [3038296040, 3076691462], [279368646, 2516963019]]
+    assert keys(4, -1) == [[2207594703, 2416891345], [1865467372, 639500838], [272068005, 679881962], [1738971448, 1013201929]]
+    assert len({tuple(map(tuple, keys(3, s))) for s in range(4)}) == 4
+
+
+def test_each_seed_draws_its_own_sample(llama):
+    m = with_eos(llama, [])
+    r = GenRequest(ids(m, PROMPTS[0]), max_gen_toks=12, do_sample=True, temperature=1.5, top_k=0)
+    outs = [tuple(generate_tokens(m, [dataclasses.replace(r, seed=s)])[0]) for s in range(4)]
+    assert len(set(outs)) == 4
+
+
+def test_empty_stop_string_is_ignored(llama):
+    # lm-eval skips empty stop strings (postprocess and stopping criteria alike): "" never ends a row or cuts text.
+    plain, toks = _greedy(llama, PROMPTS[1], n=8)
+    req = GenRequest(ids(llama, PROMPTS[1]), until=("",), max_gen_toks=8)
+    assert generate_tokens(plain, [req])[0] == toks
+    assert generate(plain, [req])[0] == plain.tokenizer.decode(toks, skip_special_tokens=True)
+    assert stop_at("a\nb", ("", "\n")) == "a" and stop_at("a\nb", ()) == "a\nb"
+
+
+def test_greedy_rows_are_not_temperature_scaled():
+    # A greedy row (do_sample off, or temperature 0) has no temperature to divide by: its logits pass unscaled
+    # (HF skips the warper), next to a sampled row that is scaled.
+    logits = mx.array([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0], [1.0, 2.0, 4.0]])
+    reqs = [GenRequest((1,), top_k=0, temperature=0.5), GenRequest((1,), do_sample=True, top_k=0),
+            GenRequest((1,), do_sample=True, temperature=0.5, top_k=0)]  # fmt: skip
+    assert warp_logits(logits, reqs).tolist() == [[1.0, 2.0, 4.0], [1.0, 2.0, 4.0], [2.0, 4.0, 8.0]]
+
+
+def test_rows_match_the_batch_caches_layout(llama, monkeypatch):
+    # Rows are padded-layout indices of the KV cache itself: when finished rows leave, the cache trims the left
+    # padding no survivor needs, and Rows must shift with it (offset == the cache's write index, starts == its
+    # left padding, so the longest survivor starts at 0), at every forward.
+    import worker.generate as gen
+
+    caches = []
+    real = gen.make_batch_cache
+    monkeypatch.setattr(gen, "make_batch_cache", lambda model, pads: caches.append(real(model, pads)) or caches[-1])
+    seen = []
+
+    def hook(x, ctx):
+        c = caches[-1][0]
+        seen.append((ctx.rows.offset, c._idx, ctx.rows.starts.tolist(), c.left_padding.tolist()))
+        return x
+
+    m = with_eos(llama, [])
+    reqs = [GenRequest(ids(m, p), max_gen_toks=n) for p, n in zip(PROMPTS, (3, 9, 5, 2, 7, 4))]
+    with m.hooks.installed([("resid_pre.0", hook)]):
+        generate_tokens(m, reqs, batch_size=16)
+    assert len(seen) == 9 and len({tuple(s[2]) for s in seen}) > 3  # rows left at several steps
+    for offset, idx, starts, left in seen:
+        assert (offset, starts) == (idx, left) and min(starts) == 0
+
+
+def test_length_edges(llama):
+    m = with_eos(llama, [])
+    # max_gen_toks = max_length - 1 leaves room for one prompt token: the context keeps its last token.
+    long = GenRequest(ids(m, PROMPTS[3]), max_gen_toks=m.max_length - 1)
+    from worker.generate import truncate
+
+    assert truncate(long, m.max_length).context == long.context[-1:]
+    assert truncate(GenRequest((1, 2, 3), max_gen_toks=5), 8) == GenRequest((1, 2, 3), max_gen_toks=5)  # fits: as is
+    # max_gen_toks = 1 generates exactly the first greedy token; 0 needs no prompt at all, 1 does.
+    plain, toks = _greedy(llama, PROMPTS[1], n=4)
+    assert generate_tokens(plain, [GenRequest(ids(llama, PROMPTS[1]), max_gen_toks=1)]) == [toks[:1]]
+    assert generate(plain, [GenRequest((), max_gen_toks=0), GenRequest((5,), max_gen_toks=0)]) == ["", ""]
+    with pytest.raises(ValueError, match="request 0 has an empty context"):
+        generate_tokens(plain, [GenRequest((), max_gen_toks=1)])
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="batch_size must be at least 1"):
+            generate_tokens(plain, [GenRequest((1,), max_gen_toks=1)], batch_size=bad)
+
+
+def test_batch_size_caps_the_rows_of_every_forward(llama):
+    rows = []
+
+    def hook(x, ctx):
+        rows.append((x.shape[0], x.shape[1] > 1))
+        return x
+
+    m = with_eos(llama, [])
+    reqs = [GenRequest(ids(m, p), max_gen_toks=3) for p in PROMPTS[:5]]
+    with m.hooks.installed([("resid_pre.0", hook)]):
+        generate_tokens(m, reqs, batch_size=2)
+    assert [b for b, prefill in rows if prefill] == [2, 2, 1]  # 5 requests: batches of 2, 2, 1
+    assert max(b for b, _ in rows) == 2 and len(rows) == 3 * 3
+
+
+def test_returned_text_drops_special_tokens(llama):
+    # lm-eval decodes the continuation with skip_special_tokens: a non-EOS special token the model emits (here
+    # "<s>", forced at every step) is not in the text, though it is in the token ids.
+    bos = llama.tokenizer.convert_tokens_to_ids("<s>")
+    first = ids(llama, " king")[-1]
+    m, calls = scripted(llama, [first, bos, first, bos])
+    req = GenRequest(ids(m, PROMPTS[1]), max_gen_toks=4)
+    assert generate_tokens(m, [req])[0] == [first, bos, first, bos]
+    calls.clear()
+    text = generate(m, [req])[0]
+    assert "<s>" not in text and text == m.tokenizer.decode([first, first], skip_special_tokens=True)
+
+
+def test_unsupported_cache_kinds_are_refused():
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from worker.generate import make_batch_cache
+
+    class Stub:
+        def __init__(self, caches):
+            self.caches = caches
+
+        def make_cache(self):
+            return self.caches
+
+    ok = make_batch_cache(Stub([KVCache(), RotatingKVCache(max_size=8)]), [0, 2])
+    assert [type(c).__name__ for c in ok] == ["BatchKVCache", "BatchRotatingKVCache"]
+    for bad in (RotatingKVCache(max_size=8, keep=4), ArraysCache(2)):  # a kept prefix; a recurrent state
+        with pytest.raises(ValueError, match="supports KV and sliding-window caches only"):
+            make_batch_cache(Stub([KVCache(), bad]), [0, 1])
