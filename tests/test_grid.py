@@ -242,7 +242,7 @@ def _planner(workers: int, max_batch_tokens: int = 256):
 
     ex = RayExecutor.__new__(RayExecutor)
     ex.pool = SimpleNamespace(alive=set(range(workers)))
-    ex.facts = [{"n_layers": LAYERS}]
+    ex._facts = [{"n_layers": LAYERS}]  # as if every worker were ready
     ex.batching = Batching(batch_size=4, max_batch_tokens=max_batch_tokens)
     ex.max_length = MAX_LENGTH
     return ex
