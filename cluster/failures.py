@@ -115,7 +115,8 @@ def load_failure(actors: Sequence[Any], rank: int, message: str, model: str) -> 
     where = node_label(address.get("NodeID"), address.get("IPAddress"))
     fix = ""
     if "Hugging Face" in message or "does not exist" in message:
-        fix = f": the model must be on every node: download it there (`hf download {model}`) or copy it to the same path"
+        fix = (f": the model must be on every node: `driver stage --model {model}` (or `driver run --stage`) copies it "
+               f"to each, or download it there (`hf download {model}`) or copy it to the same path")
     return f"worker w{rank} on {where} cannot load the model: {message}{fix}"
 
 
