@@ -114,6 +114,17 @@ def tokenizer_folder(model: str, revision: str | None) -> Path:
     return Path(_download(model, revision=revision, allow_patterns=_TOKENIZER_FILES))
 
 
+def load_tokenizer(folder: Path, trust_remote_code: bool):
+    """The model's HF tokenizer (the one lm-eval's hf backend uses)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    # Encoding a long few-shot prompt is not a mistake here (each request's window is cut, as lm-eval does):
+    # mark transformers' "longer than the maximum" warning as already given.
+    getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
+
+
 def model_config(model: str, revision: str | None = None) -> dict:
     """The model's config.json, read without loading weights (a Hub model: its small files only)."""
     return json.loads((tokenizer_folder(model, revision) / "config.json").read_text())
@@ -139,8 +150,6 @@ class OrchardLM(TemplateLM):
     ) -> None:
         """`steer`: a steering spec (YAML/JSON file, dict or Steering) active for every request of this model."""
         super().__init__()
-        from transformers import AutoTokenizer
-
         for ignored in ("device", "max_batch_size"):  # lm-eval passes these to every backend
             kwargs.pop(ignored, None)
         self._init_extra(kwargs)
@@ -165,7 +174,7 @@ class OrchardLM(TemplateLM):
             prefix_reuse=_bool(prefix_reuse),
         )
         folder = tokenizer_folder(self.spec.model, revision)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=self.spec.trust_remote_code)
+        self.tokenizer = load_tokenizer(folder, self.spec.trust_remote_code)
         config = json.loads((folder / "config.json").read_text())
         gen_config = folder / "generation_config.json"
         self.generation_defaults = json.loads(gen_config.read_text()) if gen_config.exists() else {}
