@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker.jobs import run
-from worker.load import ModelLoadError, fingerprint, load, resolve
+from worker.load import ModelLoadError, fingerprint, load, resolve, weights_bytes
 from worker.spec import Batching, Job, ModelSpec
 
 from .connect import ClusterError
@@ -36,8 +36,9 @@ class WorkerActor:
         self.restarted = _was_restarted()
         self.error: ModelLoadError | None = None
         try:
-            self.check_fits(resolve(spec.model, spec.revision, spec.adapter_path))
-            self.lm = load(spec)
+            folder = resolve(spec.model, spec.revision, spec.adapter_path)  # local, this node's staged copy, or Hub
+            self.check_fits(folder)
+            self.lm = load(spec.model_copy(update={"model": str(folder)}))  # resolved once
         except ModelLoadError as e:  # reported by facts(), so the driver prints the one-line message
             self.lm, self.error = None, e
 
@@ -48,7 +49,7 @@ class WorkerActor:
 
     def check_fits(self, folder: Path) -> None:
         """Refuse, in one line, weights larger than the node's memory for models (before MLX tries and swaps)."""
-        need = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**30
+        need = weights_bytes(folder) / 2**30
         have, source = self.memory_for_models()
         if need > have:
             raise ModelLoadError(

@@ -78,11 +78,12 @@ def weights_gb(path: str | None) -> str:
     """'W GB of weights' for a local model folder, else ''."""
     from pathlib import Path
 
-    if not path:
+    from worker.load import weights_bytes
+
+    if not path or not Path(path).expanduser().is_dir():
         return ""
-    p = Path(path).expanduser()
     try:
-        total = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else 0
+        total = weights_bytes(Path(path).expanduser())
     except OSError:
         return ""
     if not total:

@@ -29,7 +29,7 @@ from worker.load import context_window, fingerprint, is_local, load, resolve
 from worker.spec import NO_STEERING, Batching, Job, ModelSpec, Steering
 
 from .schedule import gather
-from .tokenize import Plan, iter_encode_pairs, make_plan
+from .tokenize import Plan, empty_context, iter_encode_pairs, make_plan
 from .steer import check, load_steering, model_shape
 
 TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
@@ -40,7 +40,6 @@ class Executor(Protocol):
     def run(self, job: Job, requests: Iterable, total: int | None = None) -> list: ...
     def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]: ...
     def info(self) -> dict: ...
-    def close_progress(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -87,9 +86,6 @@ class LocalExecutor:
 
     def info(self) -> dict:
         return {"executor": "local", "head_split": self.lm.head.split}
-
-    def close_progress(self) -> None:
-        pass  # lm-eval's own bars
 
     def close(self) -> None:
         self.lm = None
@@ -306,10 +302,8 @@ class OrchardLM(TemplateLM):
     def _exact(self, context: str, continuation: str) -> TokenPair:
         """One request through lm-eval's own code (TemplateLM._encode_pair with this model's tok_encode)."""
         if context == "":
-            cont = self.tok_encode(continuation, add_special_tokens=False)
-            ctx, cont = ([self.prefix_token_id], cont) if self.prefix_token_id != cont[0] else (cont[:1], cont[1:])
-        else:
-            ctx, cont = self._encode_pair(context, continuation)
+            return empty_context(self.tok_encode(continuation, add_special_tokens=False), self.prefix_token_id)
+        ctx, cont = self._encode_pair(context, continuation)
         return tuple(ctx), tuple(cont)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:

@@ -14,8 +14,8 @@ from tqdm import tqdm
 
 
 class Progress:
-    def __init__(self, names: list[str], disable: bool = False) -> None:
-        self.names, self.disable = names, disable
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
         self.bar: tqdm | None = None
         self.done: Counter = Counter()  # requests computed per worker, this bar
         self.cached = 0
@@ -25,8 +25,7 @@ class Progress:
     def expect(self, n: int, cached: int, what: str) -> None:
         """`n` more requests are on their way, `cached` of them already answered from the cache."""
         if self.bar is None:
-            quiet = {"disable": True} if self.disable else {}  # else tqdm's own default (TQDM_DISABLE=1 silences it)
-            self.bar = tqdm(total=0, unit="req", dynamic_ncols=True, **quiet)
+            self.bar = tqdm(total=0, unit="req", dynamic_ncols=True)  # TQDM_DISABLE=1 silences it
             self.started, self.done, self.cached = time.monotonic(), Counter(), 0
         self.cached += cached
         self.bar.total += n - cached

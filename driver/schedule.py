@@ -35,12 +35,14 @@ def cut(
     max_tokens: int,
     min_tokens: int,
     after: int = 0,
+    per_worker: int = PER_WORKER,
 ) -> list[list[int]]:
     """Chunks of request indices: longest families first, a family whole unless it alone exceeds `max_tokens`.
 
     The budget of each chunk is a share of the tokens not yet cut, within [min_tokens, max_tokens]: chunks shrink
     toward the end of the queue, so the last ones finish close together even on uneven workers. `after`: tokens
     still to come in later pieces of a streamed run (the end of this piece is not the end of the queue).
+    `per_worker`: chunks per worker the budget aims at (fewer for heavier chunks).
     """
     order = sorted(families, key=lambda f: -max(costs[i] for i in f))
     remaining = sum(costs) + after
@@ -54,7 +56,7 @@ def cut(
         if current:
             chunks.append(current)
         current, used = [], 0
-        budget = max(min_tokens, min(max_tokens, math.ceil(remaining / (PER_WORKER * workers))))
+        budget = max(min_tokens, min(max_tokens, math.ceil(remaining / (per_worker * workers))))
 
     close()
     for family in order:

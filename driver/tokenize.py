@@ -198,12 +198,18 @@ def lm_eval_split(context: str, continuation: str) -> tuple[str, str]:
     return (context[:-n], context[-n:] + continuation) if n else (context, continuation)
 
 
+def empty_context(continuation: list[int], prefix_token_id: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """TemplateLM.loglikelihood's rule for an empty context: the prefix token (BOS/EOS) conditions the
+    continuation, unless the continuation already starts with it."""
+    if prefix_token_id != continuation[0]:
+        return (prefix_token_id,), tuple(continuation)
+    return tuple(continuation[:1]), tuple(continuation[1:])
+
+
 def encode_pair_exact(tokenizer: Any, context: str, continuation: str, prefix_token_id: int, bos: str | None) -> tuple:
     """The reference: TemplateLM.loglikelihood's tokenization of one request, OrchardLM.tok_encode semantics."""
     if context == "":
-        cont = tokenizer.encode(continuation, add_special_tokens=False)
-        pair = ([prefix_token_id], cont) if prefix_token_id != cont[0] else (cont[:1], cont[1:])
-        return tuple(pair[0]), tuple(pair[1])
+        return empty_context(tokenizer.encode(continuation, add_special_tokens=False), prefix_token_id)
     context, continuation = lm_eval_split(context, continuation)
     whole = exact_encode(tokenizer, context + continuation, bos)
     ctx = exact_encode(tokenizer, context, bos)
@@ -319,9 +325,7 @@ def _encode_chunk(plan: Plan, pairs: Sequence[tuple[str, str]], prefix_token_id:
     out, memo = [], {}
     for r in specs:
         if r[0] == "empty":
-            cont = _ids(plan, cache, r[1])
-            pair = ([prefix_token_id], cont) if prefix_token_id != cont[0] else (cont[:1], cont[1:])
-            out.append((tuple(pair[0]), tuple(pair[1])))
+            out.append(empty_context(_ids(plan, cache, r[1]), prefix_token_id))
             continue
         _, cspec, wspec, tail = r
         ctx = memo.get(cspec[2])

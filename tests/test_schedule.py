@@ -377,3 +377,11 @@ def test_dispatch_decisions_are_exactly_these(sim, name):
     )  # fmt: skip
     assert " ".join(trace) == expected
     assert tuple(sorted(pool.alive)) == alive and len(sim.cancelled) == cancelled
+
+
+def test_fewer_chunks_per_worker_make_larger_chunks():
+    costs = [10] * 1000
+    first = cut(costs, [[i] for i in range(1000)], workers=3, max_tokens=10**6, min_tokens=1, per_worker=PER_WORKER // 2)
+    assert len(first[0]) == math.ceil(10_000 / (PER_WORKER // 2 * 3)) // 10  # the budget's share of the tokens
+    plain = cut(costs, [[i] for i in range(1000)], workers=3, max_tokens=10**6, min_tokens=1)
+    assert len(first) < len(plain)

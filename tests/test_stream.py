@@ -143,7 +143,10 @@ class SlowHead(MLXRayLM):
     """A head that takes 1 s per piece to tokenize: the overlap with the workers is then plain to see."""
 
     actor_cls = Clocked
-    produced: list[float] = []
+
+    def __init__(self, *args, **kwargs):
+        self.produced: list[float] = []  # when each piece was tokenized
+        super().__init__(*args, **kwargs)
 
     def encode_pieces(self, pairs, bounds):
         for piece in super().encode_pieces(pairs, bounds):

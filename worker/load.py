@@ -189,6 +189,11 @@ def resolve(path_or_repo: str, revision: str | None = None, adapter_path: str | 
     return path
 
 
+def weights_bytes(folder: Path) -> int:
+    """Bytes of a model folder's weight files (what must fit in memory)."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
 def fingerprint(path: Path) -> str:
     """Identity of a model (or adapter) folder by content: every weight, adapter, tokenizer, config and chat
     template file's name, size and full sha256, each file's digest remembered on disk until its stat facts
