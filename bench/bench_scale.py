@@ -166,9 +166,12 @@ def cached_rerun(limit: int, work: Path) -> None:
     dummy = [sys.executable, "-m", "lm_eval", "--model", "dummy", "--num_fewshot", "5", *task]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"TQDM_DISABLE": "1"}
 
+    said: list[str] = []
+
     def wall(cmd: list[str]) -> float:
         start = time.monotonic()
-        subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out = subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True, text=True).stdout
+        said[:] = [line for line in out.splitlines() if "from cache" in line or "no workers" in line]
         return time.monotonic() - start
 
     first = wall(driver)
@@ -180,6 +183,7 @@ def cached_rerun(limit: int, work: Path) -> None:
     print(f"\n3. a fully cached rerun, mmlu 5-shot limit {limit} (first run, computing: {first:.1f} s)")
     for name, runs in times.items():
         print(f"   {name:<24} {min(runs):>7.1f} s  {min(runs) / anchor:>5.2f}x   (runs: {', '.join(f'{r:.1f}' for r in runs)})")
+    print(f"   the rerun said: {said[0].strip() if said else '?'}")
     print("   target: the cached rerun <= 1.3x lm-eval's dummy run")
 
 

@@ -104,6 +104,7 @@ class Cache:
         self.db = sqlite3.connect(self.path)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("CREATE TABLE IF NOT EXISTS results (key BLOB PRIMARY KEY, value TEXT NOT NULL)")
+        self.db.execute("CREATE TABLE IF NOT EXISTS models (identity BLOB PRIMARY KEY)")  # whose results are here
 
     def get(self, keys: Sequence[bytes]) -> dict[bytes, Any]:
         found: dict[bytes, Any] = {}
@@ -117,6 +118,15 @@ class Cache:
         """Store and commit (durable once this returns)."""
         with self.db:
             self.db.executemany("INSERT OR IGNORE INTO results VALUES (?, ?)", ((k, json.dumps(v)) for k, v in items))
+
+    def remember(self, model: bytes) -> None:
+        """Note that results of the model with this `identity` are stored here."""
+        with self.db:
+            self.db.execute("INSERT OR IGNORE INTO models VALUES (?)", (model,))
+
+    def knows(self, model: bytes) -> bool:
+        """Whether results of this model were stored here (a rerun or a resumed run is likely)."""
+        return self.db.execute("SELECT 1 FROM models WHERE identity = ?", (model,)).fetchone() is not None
 
     def close(self) -> None:
         self.db.close()

@@ -359,7 +359,8 @@ def vectors(
     )
     vec.write_vectors(out, found, meta)
     seconds = time.monotonic() - start
-    click.echo(f"{len(found)} vectors from {len(read)} pairs on {info['workers']} workers in {seconds:.1f} s: {out}")
+    where = f"on {info['workers']} workers" if info["workers"] else "all from the cache"
+    click.echo(f"{len(found)} vectors from {len(read)} pairs {where} in {seconds:.1f} s: {out}")
 
 
 @main.command("sweep")
@@ -409,7 +410,7 @@ def sweep_command(
     written = report.write_outputs(outcome, folder)
     facts = report.run_facts(outcome.info, outcome.seconds)
     click.echo(
-        f"{len(plan.grid)} configurations + baseline, {len(outcome.rows)} result rows on {facts['workers']} workers in "
+        f"{len(plan.grid)} configurations + baseline, {len(outcome.rows)} result rows {report.on_workers(facts)} in "
         f"{facts['wall_s']:.1f} s ({facts['requests_computed']} requests computed, {facts['requests_cached']} from cache)"
     )
     click.echo(f"results: {folder} (summary.md, results.csv, {2 * len(written['plots'])} plots)")

@@ -51,6 +51,9 @@ def _summary(info: dict, seconds: float) -> dict:
 
 
 def _print_summary(summary: dict) -> None:
+    if not summary["workers"]:
+        click.echo(f"\nno workers started: all {summary['requests']} requests came from the cache ({summary['cache']}) in {summary['wall_s']:.1f} s")
+        return
     click.echo(
         f"\n{summary['workers']} workers on {summary['nodes']} node{'s' * (summary['nodes'] != 1)} ({summary['address']}): "
         f"{summary['requests']} requests ({summary['requests_cached']} from cache) in {summary['wall_s']:.1f} s"
@@ -101,6 +104,7 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     from lm_eval.loggers import EvaluationTracker
 
     from cluster import ClusterError
+    from worker.load import ModelLoadError
 
     tracker = EvaluationTracker(output_path=output_path)
     try:
@@ -121,6 +125,8 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
         )
     except ClusterError as e:
         raise click.ClickException(lost_workers_line(str(e), lm)) from None
+    except ModelLoadError as e:  # a worker cannot load the model (staged copy missing, too large for its node)
+        raise click.ClickException(str(e)) from None
     except ConnectionError as e:  # `datasets` cannot fetch a task's data (offline, or the Hub unreachable)
         raise click.ClickException(f"a task's dataset cannot be loaded: {e}: {DATASET_HINT}") from None
     results["config"]["model"] = "mlx-ray"

@@ -14,43 +14,53 @@ from tqdm import tqdm
 
 
 class Progress:
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
+    def __init__(self, names: list[str] | None = None) -> None:
+        self.names = names or []  # the workers; the bar shows once they are known (hold the model)
         self.bar: tqdm | None = None
-        self.done: Counter = Counter()  # requests computed per worker, this bar
+        self.total = 0  # requests to compute, this bar
         self.cached = 0
+        self.done: Counter = Counter()  # requests computed per worker, this bar
         self.started = 0.0
         self.note = ""
+        self.what = ""
 
     def expect(self, n: int, cached: int, what: str) -> None:
         """`n` more requests are on their way, `cached` of them already answered from the cache."""
-        if self.bar is None:
-            self.bar = tqdm(total=0, unit="req", dynamic_ncols=True)  # TQDM_DISABLE=1 silences it
-            self.started, self.done, self.cached = time.monotonic(), Counter(), 0
+        self.total += n - cached
         self.cached += cached
-        self.bar.total += n - cached
-        self.bar.set_description_str(f"{what} on {len(self.names)} workers", refresh=False)
-        self._postfix()
+        self.what = what
+        self._show()
+
+    def workers(self, names: list[str]) -> None:
+        """The workers hold the model: the bar appears (a run whose every result is cached never shows one, and
+        an error while they load is not preceded by an empty bar)."""
+        self.names = names
+        self._show()
 
     def advance(self, w: int, n: int, note: str = "") -> None:
         self.done[self.names[w]] += n
         self.note = note
-        self._postfix()
-        if self.bar is not None:
-            self.bar.update(n)
+        self._show()
+        self.bar.update(n)
 
-    def _postfix(self) -> None:
-        if self.bar is None:
+    def _show(self) -> None:
+        if not self.names:
             return
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, unit="req", dynamic_ncols=True)  # TQDM_DISABLE=1 silences it
+            self.started = time.monotonic()
+        self.bar.total = self.total
         seconds = max(time.monotonic() - self.started, 1e-9)
         total = sum(self.done.values()) or 1
         rates = [f"{name.split('@')[0]} {self.done[name] / seconds:.1f}/s {self.done[name] / total:.0%}" for name in self.names]
         parts = [self.note] if self.note else []
         parts += [f"{self.cached} cached"] if self.cached else []
+        self.bar.set_description_str(f"{self.what} on {len(self.names)} workers", refresh=False)
         self.bar.set_postfix_str(" | ".join(parts + rates), refresh=False)
 
     def close(self) -> None:
-        """End this bar (before printing results); the next `expect` opens a new one."""
+        """End this bar (before printing results); the next `expect` starts counting a new one."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.total, self.cached, self.done, self.note = 0, 0, Counter(), ""

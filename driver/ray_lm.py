@@ -15,6 +15,8 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from lm_eval.api.registry import register_model
@@ -22,6 +24,7 @@ from lm_eval.api.registry import register_model
 from cluster import ClusterError, Pool, WorkerActor, connect, launch, parse_workers, ready, stop, worker_count
 from worker.grid import GRID_BLOCK, distinct, split_point
 from worker.grid import KINDS as GRID_KINDS
+from worker.load import is_local
 from worker.score import families
 from worker.spec import Batching, Job, ModelSpec, Steering
 
@@ -29,15 +32,25 @@ from .cache import Cache, grid_keys, identity, job_prefix
 from .cache import keys as cache_keys
 from .lm import OrchardLM, _bool
 from .progress import Progress
-from .schedule import PER_WORKER, Feed, Merge, WorkersLost, cut, dispatch
+from .schedule import PER_WORKER, POLL_IDLE, Feed, Merge, WorkersLost, cut, dispatch
 
 
-def _shutdown(actors: list, cache: Cache | None, connection) -> None:
-    if not connection.embedded:  # an embedded Ray goes down whole with its actors; a cluster stays up for others
-        stop(actors)
-    if cache is not None:
-        cache.close()
-    connection.close()
+@dataclass
+class _Held:
+    """What a RayExecutor holds open (released by close(), or when it is collected)."""
+
+    cache: Cache | None
+    connection: Any = None
+    actors: list = field(default_factory=list)
+
+
+def _shutdown(held: _Held) -> None:
+    if held.connection is not None:
+        if not held.connection.embedded:  # an embedded Ray goes down whole with its actors; a cluster stays up
+            stop(held.actors)
+        held.connection.close()
+    if held.cache is not None:
+        held.cache.close()
 
 
 # Results as the cache stores them (JSON) and back: capture arrays travel as nested lists.
@@ -53,6 +66,14 @@ def _stage(spec: ModelSpec) -> str:
     moved = sum(n.bytes_sent for n in report.nodes) / 1e6
     print(f"staged {spec.model} on {len(report.nodes)} nodes ({moved:.1f} MB moved)", file=sys.stderr)
     return report.staged_model
+
+
+def _loaded(facts: dict) -> dict:
+    """The files a worker holds, as they enter the cache identity."""
+    loaded = {"weights": facts["model_files"]}
+    if facts.get("adapter_files"):
+        loaded["adapter"] = facts["adapter_files"]
+    return loaded
 
 
 class RayExecutor:
@@ -73,48 +94,88 @@ class RayExecutor:
         max_restarts: int = 3,
         stage: bool = False,
         actor_cls: type = WorkerActor,
+        files: dict | None = None,
     ):
         """`threads` caps BLAS/OpenMP threads per worker (several workers on one machine); a crashed worker is
-        restarted up to `max_restarts` times. `actor_cls` is the actor class to place (tests pass a subclass)."""
-        requested = parse_workers(workers)
-        self.connection = connect(address, local_workers=1 if requested == "all" else requested, dashboard=dashboard)
-        try:
-            n = worker_count(requested)
-            if stage:  # every node gets its own verified copy first; the workers load that
-                spec = spec.model_copy(update={"model": _stage(spec)})
-            # The workers load the model while lm-eval builds its requests; `facts` waits for them.
-            self.actors, self._launched = launch(
-                spec, batching, n, actor_cls=actor_cls, threads=threads, max_restarts=max_restarts
-            )
-        except BaseException:
-            self.connection.close()
-            raise
+        restarted up to `max_restarts` times. `actor_cls` is the actor class to place (tests pass a subclass).
+
+        `files`: what every worker must hold ({"weights": fingerprint, "adapter": fingerprint}), when the head
+        knows it (a local model: the head's copy). The cache identity is then known before any worker starts,
+        and when the cache already holds results of this model (a rerun, a resumed run) Ray and the workers
+        start only at the first request it does not hold: a fully cached rerun starts none. Otherwise they
+        start now and load the model while lm-eval builds its requests.
+        """
+        self.requested = parse_workers(workers)
+        self.options = {"address": address, "dashboard": dashboard, "stage": stage, "threads": threads,
+                        "max_restarts": max_restarts, "actor_cls": actor_cls}  # fmt: skip
         self.spec, self.batching, self.max_length = spec, batching, max_length
-        self.model_identity = model_identity
-        self._facts: list[dict] | None = None
+        self.model_identity, self.files = model_identity, files
+        self.ident = identity({**model_identity, **files}) if files is not None else None
         self.cache = Cache(cache_dir) if cache_dir else None
-        self.pool = Pool(self.actors)
+        self.connection, self.actors, self.pool = None, [], Pool([])
+        self._facts: list[dict] | None = None
+        self.names: list[str] = []
+        self.progress = Progress()
         self.done: Counter = Counter()  # requests computed, per worker name
         self.cached = 0
         self.seconds = 0.0
-        self._finalizer = weakref.finalize(self, _shutdown, self.actors, self.cache, self.connection)
+        self._remembered = False
+        self._held = _Held(self.cache)
+        self._finalizer = weakref.finalize(self, _shutdown, self._held)
+        if self.ident is None or self.cache is None or not self.cache.knows(self.ident):
+            self._start()
+
+    def _start(self) -> None:
+        """Join (or start) Ray and place the workers; they load the model in the background (`wait_ready`)."""
+        o, requested = self.options, self.requested
+        connection = connect(o["address"], local_workers=1 if requested == "all" else requested, dashboard=o["dashboard"])
+        try:
+            n = worker_count(requested)
+            if o["stage"]:  # every node gets its own verified copy first; the workers load that
+                self.spec = self.spec.model_copy(update={"model": _stage(self.spec)})
+            self.actors, self._launched = launch(
+                self.spec, self.batching, n, actor_cls=o["actor_cls"], threads=o["threads"], max_restarts=o["max_restarts"]
+            )
+        except BaseException:
+            connection.close()
+            raise
+        self.connection = self._held.connection = connection
+        self._held.actors = self.actors
+        self.pool = Pool(self.actors)
 
     @property
     def facts(self) -> list[dict]:
-        """Each worker's facts, once every worker holds the model (the first job waits here)."""
+        """Each worker's facts, once every worker holds the model (starting them if they are not yet)."""
         return self.wait_ready()
 
     def wait_ready(self) -> list[dict]:
         """Block until every worker holds the model; a load failure surfaces here, in one line."""
         if self._facts is None:
-            self._facts = ready(self.actors, self._launched, self.spec)
-            loaded = {"weights": self._facts[0]["model_files"]}  # what the workers hold (all the same: `ready`)
-            if self._facts[0].get("adapter_files"):
-                loaded["adapter"] = self._facts[0]["adapter_files"]
+            if self.connection is None:
+                self._start()
+            facts = ready(self.actors, self._launched, self.spec)
+            loaded = _loaded(facts[0])  # what the workers hold (all the same: `ready`)
+            if self.files is not None and loaded != self.files:
+                stop(self.actors)
+                raise ClusterError(self._other_files(loaded, facts[0]["hostname"]))
             self.ident = identity({**self.model_identity, **loaded})
-            self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(self._facts)]
-            self.progress = Progress(self.names)
+            self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(facts)]
+            self.progress.workers(self.names)
+            self._facts = facts
         return self._facts
+
+    def _wait_time(self) -> float:
+        """`wait_ready`, returning the seconds it took (not scoring time)."""
+        start = time.monotonic()
+        self.wait_ready()
+        return time.monotonic() - start
+
+    def _other_files(self, loaded: dict, host: str) -> str:
+        """One line: the workers hold other model (or adapter) files than the head tokenized and keyed with."""
+        kind = next(k for k in ("weights", "adapter") if loaded.get(k) != self.files.get(k))
+        theirs, ours = (str(d.get(kind) or "none")[:12] for d in (loaded, self.files))
+        fix = "" if self.connection.embedded else f": `driver stage --model {self.spec.model}` (or `driver run --stage`) copies the head's"
+        return f"the workers hold other {kind} files than the head ({theirs} on {host}, {ours} here){fix or ': they changed during the run'}"
 
     def _plan(self, kind: str, requests: list) -> tuple[list[int], list[list[int]]]:
         """Token cost per request, and the groups a chunk must keep whole (shared inputs and prefixes)."""
@@ -133,38 +194,63 @@ class RayExecutor:
         decode = _FROM_CACHE.get(kind, lambda v: v)
         merge.add([offset + i for i in found], [decode(hits[keys[i]]) for i in found])
         self.cached += len(found)
+        if found:
+            self._remember()
+
+    def _store(self, items: Iterable[tuple[bytes, Any]]) -> None:
+        self.cache.put(items)
+        self._remember()
+
+    def _remember(self) -> None:
+        """Note in the cache that it holds this model's results (a later run then starts workers lazily)."""
+        if not self._remembered:
+            self.cache.remember(self.ident)
+            self._remembered = True
 
     def run(self, job: Job, requests: Iterable, total: int | None = None) -> list:
         """Results of `job` on every request, in order: cached ones read back, the rest computed and cached.
 
         `requests` is a list, or (with `total`) an iterable of lists whose lengths add up to `total`: the head
-        still tokenizing while workers run. Each piece is planned and its chunks dispatched as soon as it comes.
+        still tokenizing while workers run. Each piece is looked up in the cache, planned and its chunks
+        dispatched as soon as it comes; no worker is waited for (or started) while every request so far is cached.
         """
         feed = Feed([requests] if total is None else requests)  # made on its own thread while workers get ready
         total = len(requests) if total is None else total
-        self.wait_ready()
+        if self.cache is not None and self.ident is None:
+            self.wait_ready()  # the cache keys need the workers' files
         start_time = time.monotonic()
         kind, merge = job.kind, Merge(total)
         prefix = job_prefix(self.ident, job) if self.cache is not None else b""
         todo: list = []  # every request so far, by global index
         keys: list[bytes] = []
         chunks: list[list[int]] = []
+        waiting: list[tuple[int, list]] = []  # (offset, piece): taken from the feed, not cut into chunks yet
+        over = False
         self.progress.expect(total, 0, kind)
 
-        def more(timeout: float) -> list[float] | None:
+        def take(timeout: float) -> None:
+            nonlocal over
             try:
                 piece = feed.take(timeout)
             except StopIteration:
-                return None
-            if piece is None:
-                return []
-            offset, cached = len(todo), merge.count
-            todo.extend(piece)
-            if self.cache is not None:
-                keys.extend(cache_keys(prefix, kind, piece))
-                self._from_cache(kind, merge, keys[offset:], offset)
-                self.progress.expect(0, merge.count - cached, kind)
-            new = self._cut(kind, piece, offset, merge.filled, later=total - len(todo))
+                over = True
+                return
+            if piece:
+                offset, cached = len(todo), merge.count
+                todo.extend(piece)
+                waiting.append((offset, piece))
+                if self.cache is not None:
+                    keys.extend(cache_keys(prefix, kind, piece))
+                    self._from_cache(kind, merge, keys[offset:], offset)
+                    self.progress.expect(0, merge.count - cached, kind)
+
+        def more(timeout: float) -> list[float] | None:
+            if not waiting and not over:
+                take(timeout)
+            if not waiting:
+                return None if over else []
+            new = [c for at, piece in waiting for c in self._cut(kind, piece, at, merge.filled, later=total - at - len(piece))]
+            waiting.clear()
             chunks.extend(indices for indices, _ in new)
             return [cost for _, cost in new]
 
@@ -177,11 +263,15 @@ class RayExecutor:
             indices, results = value
             merge.add(indices, results)
             if self.cache is not None:
-                self.cache.put((keys[i], encode(r)) for i, r in zip(indices, results))
+                self._store((keys[i], encode(r)) for i, r in zip(indices, results))
             self._count(w, len(indices))
 
         try:
-            dispatch([], [], self.pool, submit, on_result, more=more)
+            while merge.count == len(todo) and not over:  # everything so far cached: no worker needed yet
+                take(POLL_IDLE)
+            if merge.count < len(todo):
+                start_time += self._wait_time()
+                dispatch([], [], self.pool, submit, on_result, more=more)
         except WorkersLost as e:
             raise ClusterError(f"{e}: {merge.count} of {total} {kind} requests finished; {self._kept()}") from None
         finally:
@@ -223,7 +313,8 @@ class RayExecutor:
         """
         if kind not in GRID_KINDS:
             raise ValueError(f"a grid runs {' or '.join(GRID_KINDS)} work, not {kind!r}")
-        self.wait_ready()
+        if self.cache is not None and self.ident is None:
+            self.wait_ready()  # the cache keys need the workers' files
         start_time = time.monotonic()
         configs, owner = distinct(steerings)
         n_configs, n = len(configs), len(requests)
@@ -233,8 +324,7 @@ class RayExecutor:
             keys = grid_keys(self.ident, kind, configs, requests)
             for c, merge in enumerate(merges):
                 self._from_cache(kind, merge, keys[c])
-        costs, groups = self._plan(kind, requests)
-        chunks, chunk_costs = self._grid_chunks(configs, costs, groups, merges)
+        chunks: list[tuple[tuple[int, ...], list[int]]] = []
         self.progress.expect(n_configs * n, sum(m.count for m in merges), f"{kind} grid of {n_configs} configurations")
         encode = _TO_CACHE.get(kind, lambda v: v)
         done_configs = [sum(m.count == n for m in merges)]
@@ -255,11 +345,16 @@ class RayExecutor:
                 if self.cache is not None:
                     cells.extend((keys[g][i], encode(r)) for i, r in zip(indices, column))
             if cells:
-                self.cache.put(cells)
+                self._store(cells)
             self._count(w, len(indices) * len(block), f"configs {done_configs[0]}/{n_configs}")
 
         try:
-            dispatch(chunks, chunk_costs, self.pool, submit, on_result)
+            if any(m.count < n for m in merges):  # else no worker is needed (nor started)
+                start_time += self._wait_time()
+                costs, groups = self._plan(kind, requests)
+                planned, chunk_costs = self._grid_chunks(configs, costs, groups, merges)
+                chunks.extend(planned)
+                dispatch(chunks, chunk_costs, self.pool, submit, on_result)
         except WorkersLost as e:
             finished = sum(m.count for m in merges)
             raise ClusterError(
@@ -347,24 +442,24 @@ class RayExecutor:
         self.progress.advance(w, n, note)
 
     def info(self) -> dict:
-        seconds = self.seconds or 1e-9
+        """What ran where; never waits for (or starts) workers: `workers` is 0 when every result was cached."""
+        seconds, facts = self.seconds or 1e-9, self._facts or []
         return {
             "executor": "ray",
-            "address": self.connection.address,
-            "workers": len(self.facts),
+            "address": self.connection.address if self.connection is not None else None,
+            "workers": len(self.actors),
             "workers_alive": len(self.pool.alive),
-            "nodes": len({f["node_id"] for f in self.facts}),
+            "nodes": len({f["node_id"] for f in facts}),
             "requests_computed": dict(self.done),
             "requests_cached": self.cached,
             "requests_per_s": {n: round(k / seconds, 2) for n, k in self.done.items()},
             "seconds": round(self.seconds, 3),
             "cache": str(self.cache.path) if self.cache is not None else None,
-            "facts": self.facts,
+            "facts": facts,
         }
 
     def close(self) -> None:
-        if self._facts is not None:  # the run's progress bar ends before its results are printed
-            self.progress.close()
+        self.progress.close()  # the run's progress bar ends before its results are printed
         self._finalizer()
 
 
@@ -390,6 +485,10 @@ class MLXRayLM(OrchardLM):
         super()._init_extra(kwargs)
 
     def make_executor(self, spec: ModelSpec, batching: Batching) -> RayExecutor:
+        files = None
+        if is_local(spec.model):  # the workers load the head's folder (or a staged copy): the same content
+            files = {"weights": self.identity["files"]} | ({"adapter": self.identity["adapter"]} if self.identity["adapter"] else {})
         return RayExecutor(
-            spec, batching, model_identity=self.identity, max_length=self.max_length, actor_cls=self.actor_cls, **self.ray_args
-        )
+            spec, batching, model_identity=self.identity, max_length=self.max_length, actor_cls=self.actor_cls,
+            files=files, **self.ray_args,
+        )  # fmt: skip

@@ -330,6 +330,14 @@ def run_facts(info: dict, seconds: float) -> dict:
     }
 
 
+def on_workers(facts: dict, ray: bool = False) -> str:
+    """'on N workers on M nodes' (`ray`: and the address), or why none ran."""
+    if not facts["workers"]:
+        return "on no workers (every result came from the cache)"
+    where = f" (Ray at {facts['address']})" if ray else ""
+    return f"on {facts['workers']} workers on {facts['nodes']} node{'s' * (facts['nodes'] != 1)}{where}"
+
+
 def summary_md(outcome, plots: dict[tuple[str, str], tuple[str, str]]) -> str:
     sweep, rows = outcome.sweep, outcome.rows
     spec, facts = sweep.spec, run_facts(outcome.info, outcome.seconds)
@@ -342,7 +350,7 @@ def summary_md(outcome, plots: dict[tuple[str, str], tuple[str, str]]) -> str:
         f"# Steering sweep: {sweep.path.name}",
         "",
         f"Model `{sweep.model_args['pretrained']}` ({sweep.n_layers} layers) · {len(grid)} configurations + the baseline · "
-        f"{facts['workers']} workers on {facts['nodes']} node{'s' * (facts['nodes'] != 1)} · wall time {facts['wall_s']:.1f} s",
+        f"{on_workers(facts)} · wall time {facts['wall_s']:.1f} s",
         "",
         "## The grid",
         "",
@@ -388,7 +396,7 @@ def summary_md(outcome, plots: dict[tuple[str, str], tuple[str, str]]) -> str:
         for (task, metric), (heat, line) in plots.items():
             lines_ += [f"### {task} · {metric}", "", f"![heatmap of {task} {metric}]({heat})", "", f"![{task} {metric} against alpha]({line})", ""]
     lines_ += ["", "## Run", "",
-               f"- {facts['workers']} workers on {facts['nodes']} node{'s' * (facts['nodes'] != 1)} (Ray at {facts['address']})",
+               f"- {on_workers(facts, ray=True)}",
                f"- wall time {facts['wall_s']:.1f} s; scoring time on the workers {facts['scoring_s'] or 0:.1f} s",
                f"- requests computed in this run: {facts['requests_computed']}; served from the cache: {facts['requests_cached']} "
                f"(cache: `{facts['cache']}`)",

@@ -695,7 +695,8 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
     configs, steerings = sweep.configs, [c.steering for c in sweep.configs]
     lm = open_model(args)
     try:
-        echo(f"sweep: {len(configs) - 1} configurations + the baseline on {lm.executor.info()['workers']} workers")
+        placed = lm.executor.info()["workers"]  # none yet when the cache holds this model's results
+        echo(f"sweep: {len(configs) - 1} configurations + the baseline" + (f" on {placed} workers" if placed else ""))
         # 1. lm-eval, unsteered: the baseline's metrics, and the requests every configuration sends
         calls: list = []
         results: dict[str, dict] = {}

@@ -217,3 +217,24 @@ def test_keys_equal_the_per_request_keys():
     cap = [((1, 2), -1), ((1, 2), 0)]
     assert keys(prefix, "capture", cap) == [key(prefix, "capture", c) for c in cap]
     assert keys(prefix, "loglikelihood", []) == []
+
+
+def test_the_cache_remembers_whose_results_it_holds(tmp_path):
+    import sqlite3
+
+    old = tmp_path / "old"  # a cache written before the models table existed
+    old.mkdir()
+    db = sqlite3.connect(old / "results.sqlite")
+    db.execute("CREATE TABLE results (key BLOB PRIMARY KEY, value TEXT NOT NULL)")
+    db.commit()
+    db.close()
+    a, b = identity({"model": "a"}), identity({"model": "b"})
+    cache = Cache(old)
+    assert not cache.knows(a)
+    cache.remember(a)
+    cache.remember(a)
+    assert cache.knows(a) and not cache.knows(b)
+    cache.close()
+    cache = Cache(old)
+    assert cache.knows(a) and not cache.knows(b)  # durable
+    cache.close()

@@ -20,7 +20,7 @@ from worker.generate import GenRequest
 from worker.grid import GRID_BLOCK, grid_generate, grid_loglikelihood, shares_lower, split_point
 from worker.hooks import decoder_layers
 from worker.jobs import run
-from worker.load import load
+from worker.load import fingerprint, load
 from worker.spec import Batching, Intervention, Job, ModelSpec, Steering
 
 HIDDEN, LAYERS, MAX_LENGTH = 64, 4, 128
@@ -279,7 +279,7 @@ def test_chunks_cover_each_missing_cell_once_and_keep_workers_busy():
 # --- Ray workers and the result cache ----------------------------------------------------------------------
 
 
-def _ray_executor(path: Path, workers: int, cache_dir=None):
+def _ray_executor(path: Path, workers: int, cache_dir=None, files=None):
     from driver.ray_lm import RayExecutor
 
     return RayExecutor(
@@ -289,6 +289,7 @@ def _ray_executor(path: Path, workers: int, cache_dir=None):
         max_length=MAX_LENGTH,
         workers=workers,
         cache_dir=cache_dir,
+        files=files,
     )
 
 
@@ -347,10 +348,12 @@ def test_grid_cells_are_cached_under_the_keys_run_uses(ray_cluster, paths, in_pr
         assert ex.run(Job(kind="generate", steering=grid[1]), gens) == want_gen[1] and computed() == before
     finally:
         ex.close()
-    # A fresh executor (a rerun of the whole sweep): nothing left to compute.
-    ex = _ray_executor(paths["llama"], 1, cache)
+    # A fresh executor (a rerun of the whole sweep) that knows the model's files without asking a worker, as
+    # `mlx-ray` does for a local model: the same keys as the workers' facts gave, nothing to compute, none started.
+    ex = _ray_executor(paths["llama"], 1, cache, files={"weights": fingerprint(paths["llama"])})
     try:
         assert_close(ex.run_grid("loglikelihood", grid, reqs), want, relative=True)
         assert sum(ex.info()["requests_computed"].values()) == 0 and ex.info()["requests_cached"] == len(grid) * n
+        assert ex.connection is None and ex.info()["workers"] == 0
     finally:
         ex.close()

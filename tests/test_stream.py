@@ -201,3 +201,11 @@ def test_one_progress_bar_counts_every_request_type_and_keeps_cached_ones_apart(
     progress.expect(5, 0, "loglikelihood")  # after close (results printed), a new bar
     assert progress.bar is not bar and progress.bar.total == 5 and progress.cached == 0
     progress.close()
+
+    waiting = Progress()  # no worker holds the model yet (or none is needed): no bar, the counts kept
+    waiting.expect(30, 10, "loglikelihood")
+    assert waiting.bar is None
+    waiting.workers(["w0@a"])
+    assert waiting.bar.total == 20 and waiting.cached == 10
+    waiting.bar.fp = io.StringIO()
+    waiting.close()
