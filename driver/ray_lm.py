@@ -68,12 +68,80 @@ def _stage(spec: ModelSpec) -> str:
     return report.staged_model
 
 
+def _even_blocks(members: list[int], n: int) -> list[tuple[int, ...]]:
+    """`members` in n consecutive blocks whose sizes differ by at most one."""
+    size, extra = divmod(len(members), n)
+    out, at = [], 0
+    for b in range(n):
+        out.append(tuple(members[at : at + size + (b < extra)]))
+        at += size + (b < extra)
+    return out
+
+
+def _makespan(costs: list[float], workers: int) -> float:
+    """When the last of `workers` finishes, the longest job first onto the least loaded worker."""
+    loads = [0.0] * workers
+    for cost in sorted(costs, reverse=True):
+        heapq.heapreplace(loads, loads[0] + cost)
+    return max(loads)
+
+
 def _loaded(facts: dict) -> dict:
     """The files a worker holds, as they enter the cache identity."""
     loaded = {"weights": facts["model_files"]}
     if facts.get("adapter_files"):
         loaded["adapter"] = facts["adapter_files"]
     return loaded
+
+
+class _Intake:
+    """One run's requests as the head hands them over, piece by piece: each piece read from the cache as it
+    comes, and cut into chunks of what the cache lacks when `dispatch` asks for more."""
+
+    def __init__(self, executor: RayExecutor, job: Job, feed: Feed, total: int) -> None:
+        self.ex, self.kind, self.feed, self.total = executor, job.kind, feed, total
+        self.prefix = job_prefix(executor.ident, job) if executor.cache is not None else b""
+        self.merge = Merge(total)
+        self.todo: list = []  # every request so far, by global index
+        self.keys: list[bytes] = []
+        self.chunks: list[list[int]] = []
+        self.waiting: list[tuple[int, list]] = []  # (offset, piece): not cut into chunks yet
+        self.over = False  # the feed has ended
+
+    def take(self, timeout: float) -> None:
+        """The next piece, if one comes within `timeout` s, with its cached results read back."""
+        try:
+            piece = self.feed.take(timeout)
+        except StopIteration:
+            self.over = True
+            return
+        if not piece:
+            return
+        offset, ex = len(self.todo), self.ex
+        self.todo.extend(piece)
+        self.waiting.append((offset, piece))
+        if ex.cache is not None:
+            before = self.merge.count
+            self.keys.extend(cache_keys(self.prefix, self.kind, piece))
+            ex._from_cache(self.kind, self.merge, self.keys[offset:], offset)
+            ex.progress.expect(0, self.merge.count - before, self.kind)
+
+    def all_cached(self) -> bool:
+        """Every request so far answered from the cache."""
+        return self.merge.count == len(self.todo)
+
+    def more(self, timeout: float) -> list[float] | None:
+        """`dispatch`'s feed: costs of the chunks just cut (appended to `chunks`), [] if none yet, None at the end."""
+        if not self.waiting and not self.over:
+            self.take(timeout)
+        if not self.waiting:
+            return None if self.over else []
+        filled, new = self.merge.filled, []
+        for at, piece in self.waiting:
+            new += self.ex._cut(self.kind, piece, at, filled, later=self.total - at - len(piece))
+        self.waiting.clear()
+        self.chunks.extend(indices for indices, _ in new)
+        return [cost for _, cost in new]
 
 
 class RayExecutor:
@@ -219,66 +287,34 @@ class RayExecutor:
         if self.cache is not None and self.ident is None:
             self.wait_ready()  # the cache keys need the workers' files
         start_time = time.monotonic()
-        kind, merge = job.kind, Merge(total)
-        prefix = job_prefix(self.ident, job) if self.cache is not None else b""
-        todo: list = []  # every request so far, by global index
-        keys: list[bytes] = []
-        chunks: list[list[int]] = []
-        waiting: list[tuple[int, list]] = []  # (offset, piece): taken from the feed, not cut into chunks yet
-        over = False
-        self.progress.expect(total, 0, kind)
-
-        def take(timeout: float) -> None:
-            nonlocal over
-            try:
-                piece = feed.take(timeout)
-            except StopIteration:
-                over = True
-                return
-            if piece:
-                offset, cached = len(todo), merge.count
-                todo.extend(piece)
-                waiting.append((offset, piece))
-                if self.cache is not None:
-                    keys.extend(cache_keys(prefix, kind, piece))
-                    self._from_cache(kind, merge, keys[offset:], offset)
-                    self.progress.expect(0, merge.count - cached, kind)
-
-        def more(timeout: float) -> list[float] | None:
-            if not waiting and not over:
-                take(timeout)
-            if not waiting:
-                return None if over else []
-            new = [c for at, piece in waiting for c in self._cut(kind, piece, at, merge.filled, later=total - at - len(piece))]
-            waiting.clear()
-            chunks.extend(indices for indices, _ in new)
-            return [cost for _, cost in new]
-
-        encode = _TO_CACHE.get(kind, lambda v: v)
+        self.progress.expect(total, 0, job.kind)
+        intake = _Intake(self, job, feed, total)
+        encode = _TO_CACHE.get(job.kind, lambda v: v)
 
         def submit(actor, c: int):
-            return actor.run.remote(job, chunks[c], [todo[i] for i in chunks[c]])
+            indices = intake.chunks[c]
+            return actor.run.remote(job, indices, [intake.todo[i] for i in indices])
 
         def on_result(w: int, c: int, value: tuple[list[int], list]) -> None:
             indices, results = value
-            merge.add(indices, results)
+            intake.merge.add(indices, results)
             if self.cache is not None:
-                self._store((keys[i], encode(r)) for i, r in zip(indices, results))
+                self._store((intake.keys[i], encode(r)) for i, r in zip(indices, results))
             self._count(w, len(indices))
 
         try:
-            while merge.count == len(todo) and not over:  # everything so far cached: no worker needed yet
-                take(POLL_IDLE)
-            if merge.count < len(todo):
+            while intake.all_cached() and not intake.over:  # no worker is needed (nor started) yet
+                intake.take(POLL_IDLE)
+            if not intake.all_cached():
                 start_time += self._wait_time()
-                dispatch([], [], self.pool, submit, on_result, more=more)
+                dispatch([], [], self.pool, submit, on_result, more=intake.more)
         except WorkersLost as e:
-            raise ClusterError(f"{e}: {merge.count} of {total} {kind} requests finished; {self._kept()}") from None
+            raise ClusterError(f"{e}: {intake.merge.count} of {total} {job.kind} requests finished; {self._kept()}") from None
         finally:
             self.seconds += time.monotonic() - start_time
-        if len(todo) != total:
-            raise RuntimeError(f"the head made {len(todo)} {kind} requests where it announced {total}")
-        return merge.result()
+        if len(intake.todo) != total:
+            raise RuntimeError(f"the head made {len(intake.todo)} {job.kind} requests where it announced {total}")
+        return intake.merge.result()
 
     def _cut(self, kind: str, piece: list, offset: int, filled: bytearray, later: int = 0) -> list[tuple[list[int], int]]:
         """(global request indices, token cost) per chunk of one piece's requests not answered yet; `later`
@@ -318,12 +354,7 @@ class RayExecutor:
         start_time = time.monotonic()
         configs, owner = distinct(steerings)
         n_configs, n = len(configs), len(requests)
-        merges = [Merge(n) for _ in configs]
-        keys: list[list[bytes]] = []
-        if self.cache is not None and n:
-            keys = grid_keys(self.ident, kind, configs, requests)
-            for c, merge in enumerate(merges):
-                self._from_cache(kind, merge, keys[c])
+        merges, keys = self._grid_from_cache(kind, configs, requests)
         chunks: list[tuple[tuple[int, ...], list[int]]] = []
         self.progress.expect(n_configs * n, sum(m.count for m in merges), f"{kind} grid of {n_configs} configurations")
         encode = _TO_CACHE.get(kind, lambda v: v)
@@ -365,6 +396,16 @@ class RayExecutor:
         results = [m.result() for m in merges]
         return [list(results[o]) for o in owner]
 
+    def _grid_from_cache(self, kind: str, configs: list[Steering], requests: list) -> tuple[list[Merge], list[list[bytes]]]:
+        """One Merge per configuration, its cached cells filled in, and every cell's key ([] without a cache)."""
+        merges = [Merge(len(requests)) for _ in configs]
+        if self.cache is None or not requests:
+            return merges, []
+        keys = grid_keys(self.ident, kind, configs, requests)
+        for merge, row in zip(merges, keys):
+            self._from_cache(kind, merge, row)
+        return merges, keys
+
     def _grid_chunks(
         self, configs: list[Steering], costs: list[int], groups: list[list[int]], merges: list[Merge]
     ) -> tuple[list[tuple[tuple[int, ...], list[int]]], list[float]]:
@@ -389,20 +430,6 @@ class RayExecutor:
             own = sum(max(n_layers - splits[g], 0.25) for g in block)
             return (max(splits[g] for g in block) + own) / n_layers
 
-        def blocks_of(members: list[int], nb: int) -> list[tuple[int, ...]]:
-            size, extra = divmod(len(members), nb)
-            out, at = [], 0
-            for b in range(nb):
-                out.append(tuple(members[at : at + size + (b < extra)]))
-                at += size + (b < extra)
-            return out
-
-        def makespan(tokens: list[int], blocks: list[tuple[int, ...]]) -> float:
-            loads = [0.0] * workers
-            for cost in sorted((t * unit(b) for t in tokens for b in blocks), reverse=True):
-                heapq.heapreplace(loads, loads[0] + cost)
-            return max(loads)
-
         alike: dict[bytes, list[int]] = {}
         for g, merge in enumerate(merges):
             if merge.count < len(merge.filled):
@@ -426,10 +453,10 @@ class RayExecutor:
             )
             tokens = [sum(todo[i] for i in indices) for indices in request_chunks]
             fewest = math.ceil(len(members) / GRID_BLOCK)
-            best = blocks_of(members, fewest)
+            best = _even_blocks(members, fewest)
             if workers > 1 and len(request_chunks) < PER_WORKER * workers:
-                options = [blocks_of(members, nb) for nb in range(fewest, max(fewest, min(len(members), 4 * workers)) + 1)]
-                spans = [makespan(tokens, blocks) for blocks in options]
+                options = [_even_blocks(members, nb) for nb in range(fewest, max(fewest, min(len(members), 4 * workers)) + 1)]
+                spans = [_makespan([t * unit(b) for t in tokens for b in blocks], workers) for blocks in options]
                 best = next(b for b, t in zip(options, spans) if t <= 1.01 * min(spans))  # fewest blocks on a near tie
             for indices, t in zip(request_chunks, tokens):
                 for block in best:
