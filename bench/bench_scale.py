@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from cluster.actor import WorkerActor  # noqa: E402
 from cluster.facts import collect  # noqa: E402
+from worker.load import fingerprint  # noqa: E402
 
 
 class SleepingWorker(WorkerActor):
@@ -42,9 +43,9 @@ class SleepingWorker(WorkerActor):
     def __init__(self, spec, batching, rank: int = 0):
         self.rank, self.first = rank, None
 
-    def facts(self) -> dict:
-        return {**collect(), "rank": self.rank, "model_files": "simulated", "model_path": "-", "max_length": 2048,
-                "n_layers": 5, "restarted": False}  # fmt: skip
+    def facts(self) -> dict:  # the files of the model the head tokenizes with, as a real worker would report
+        return {**collect(), "rank": self.rank, "model_files": fingerprint(MODEL), "model_path": str(MODEL),
+                "max_length": 2048, "n_layers": 5, "restarted": False}  # fmt: skip
 
     def run(self, job, indices, requests):
         self.first = self.first or time.time()

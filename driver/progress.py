@@ -44,8 +44,8 @@ class Progress:
         self.bar.update(n)
 
     def _show(self) -> None:
-        if not self.names:
-            return
+        if not self.names or (self.bar is None and not self.total):
+            return  # no worker holds the model yet, or nothing to compute yet
         if self.bar is None:
             self.bar = tqdm(total=self.total, unit="req", dynamic_ncols=True)  # TQDM_DISABLE=1 silences it
             self.started = time.monotonic()
