@@ -3,7 +3,8 @@
     simple_evaluate(model="mlx-ray", model_args="pretrained=PATH,workers=4,address=auto,cache=DIR")
 
 Tokenization stays on the driver (OrchardLM), so every worker scores the same token ids. Importing this
-module starts nothing: Ray is joined when the model is built.
+module starts nothing: Ray is joined when the model is built, or, when the result cache already holds this
+model's results, at the first request it lacks (a fully cached rerun starts no worker).
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ class RayExecutor:
         start only at the first request it does not hold: a fully cached rerun starts none. Otherwise they
         start now and load the model while lm-eval builds its requests.
         """
-        self.requested = parse_workers(workers)
-        self.options = {"address": address, "dashboard": dashboard, "stage": stage, "threads": threads,
+        self._requested = parse_workers(workers)
+        self._options = {"address": address, "dashboard": dashboard, "stage": stage, "threads": threads,
                         "max_restarts": max_restarts, "actor_cls": actor_cls}  # fmt: skip
         self.spec, self.batching, self.max_length = spec, batching, max_length
         self.model_identity, self.files = model_identity, files
@@ -195,7 +196,7 @@ class RayExecutor:
 
     def _start(self) -> None:
         """Join (or start) Ray and place the workers; they load the model in the background (`wait_ready`)."""
-        o, requested = self.options, self.requested
+        o, requested = self._options, self._requested
         connection = connect(o["address"], local_workers=1 if requested == "all" else requested, dashboard=o["dashboard"])
         try:
             n = worker_count(requested)

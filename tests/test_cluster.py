@@ -410,9 +410,28 @@ class SmallNode(WorkerActor):
 def test_a_model_too_large_for_a_node_is_refused_in_one_line_before_loading(ray_cluster, llama_path):
     model = type("SmallRayLM", (MLXRayLM,), {"actor_cls": SmallNode})
     lm = model(pretrained=str(llama_path), workers=2)
-    with pytest.raises(ValueError) as e:
-        lm.executor.wait_ready()  # the workers start with the model; their refusal surfaces at the first job
+    try:
+        with pytest.raises(ValueError) as e:
+            lm.executor.wait_ready()  # the workers start with the model; their refusal surfaces at the first job
+    finally:
+        lm.executor.close()
     message = str(e.value)
     assert "\n" not in message
     assert "do not fit in the 0.0 GB this node has for models (system memory): use a smaller or quantized model" in message
     assert message.startswith("worker w0 on ") and "(127.0.0.1, node " in message and "cannot load the model: " in message
+
+
+def test_a_workers_refusal_inside_an_lm_eval_run_is_one_click_error(ray_cluster, llama_path, tasks, tmp_path):
+    """What `driver run` and `driver sweep` get when a worker refuses the model at the first job."""
+    import click
+
+    from driver.evaluation import Plan, evaluate, parse_seeds
+
+    model = type("SmallRayLM", (MLXRayLM,), {"actor_cls": SmallNode})
+    lm = model(pretrained=str(llama_path), workers=2)
+    try:
+        with pytest.raises(click.ClickException) as e:
+            evaluate(lm, {}, Plan(seeds=parse_seeds("0"), names=MC, manager=tasks), str(tmp_path))
+    finally:
+        lm.executor.close()
+    assert "\n" not in e.value.message and "cannot load the model: the model's weights" in e.value.message
