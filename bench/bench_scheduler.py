@@ -66,7 +66,7 @@ def schedule(workers: list, requests, costs, families, cache: Cache | None = Non
             cache.put((keys[i], r) for i, r in zip(indices, results))
 
     submit = lambda actor, c: actor.loglikelihood.remote(chunks[c], [requests[i] for i in chunks[c]])  # noqa: E731
-    dispatch(chunks, [sum(costs[i] for i in ch) for ch in chunks], Pool(workers, lambda a: a.facts.remote()), submit, on_result)
+    dispatch([sum(costs[i] for i in ch) for ch in chunks], Pool(workers, lambda a: a.facts.remote()), submit, on_result)
     merge.result()
     return time.perf_counter() - start
 

@@ -126,6 +126,16 @@ def model_config(model: str, revision: str | None = None) -> dict:
     return json.loads((tokenizer_folder(model, revision) / "config.json").read_text())
 
 
+def model_steering(steer: str | dict | Steering | None, config: dict) -> tuple[Steering, dict | None]:
+    """The steering active for every request of a model, checked against its config before any worker starts,
+    and what the results record of it (None without steering)."""
+    if steer is None or steer == "":
+        return NO_STEERING, None
+    loaded = load_steering(steer)
+    steering = check(loaded.steering, *model_shape(config))
+    return steering, {**loaded.record, "key": steering.key(), "resolved_layers": [i.layer for i in steering.interventions]}
+
+
 class OrchardLM(TemplateLM):
     """lm-eval glue shared by `mlx` and `mlx-ray`; subclasses choose the executor."""
 
@@ -177,11 +187,7 @@ class OrchardLM(TemplateLM):
         self._max_length = context_window(config, self.spec.max_length)
         self.max_gen_toks = int(max_gen_toks)
         self._token_plan: Plan | None = None  # what driver.tokenize proved for this tokenizer (on first use)
-        self.steering, self.steering_record = NO_STEERING, None
-        if steer is not None and steer != "":
-            loaded = load_steering(steer)  # checked against the model before any worker starts
-            self.steering = check(loaded.steering, *model_shape(config))
-            self.steering_record = {**loaded.record, "key": self.steering.key(), "resolved_layers": [i.layer for i in self.steering.interventions]}
+        self.steering, self.steering_record = model_steering(steer, config)
         self.identity = {
             "model": self.spec.model,
             "revision": self.spec.revision,

@@ -308,7 +308,7 @@ class RayExecutor:
                 intake.take(POLL_IDLE)
             if not intake.all_cached():
                 start_time += self._wait_time()
-                dispatch([], [], self.pool, submit, on_result, more=intake.more)
+                dispatch([], self.pool, submit, on_result, more=intake.more)
         except WorkersLost as e:
             raise ClusterError(f"{e}: {intake.merge.count} of {total} {job.kind} requests finished; {self._kept()}") from None
         finally:
@@ -386,7 +386,7 @@ class RayExecutor:
                 costs, groups = self._plan(kind, requests)
                 planned, chunk_costs = self._grid_chunks(configs, costs, groups, merges)
                 chunks.extend(planned)
-                dispatch(chunks, chunk_costs, self.pool, submit, on_result)
+                dispatch(chunk_costs, self.pool, submit, on_result)
         except WorkersLost as e:
             finished = sum(m.count for m in merges)
             raise ClusterError(

@@ -187,7 +187,6 @@ class _Flight:
 
 
 def dispatch(
-    chunks: Sequence[Sequence[int]],
     costs: Sequence[float],
     pool: "Pool",
     submit: Callable[[Any, int], Any],
@@ -197,7 +196,8 @@ def dispatch(
     revive_timeout: float = 600.0,
     more: Callable[[float], Sequence[float] | None] | None = None,
 ) -> None:
-    """Run every chunk once on some worker; `on_result(worker_index, chunk_index, value)` gets the first copy.
+    """Run every chunk (chunk i costs `costs[i]`) once on some worker; `on_result(worker_index, chunk_index,
+    value)` gets the first copy.
 
     `submit(worker, chunk_index)` returns a Ray object ref. `more(timeout)`, when given, is asked between results
     for chunks made meanwhile (the head still tokenizing): it returns the costs of chunks it appended to the
@@ -209,7 +209,7 @@ def dispatch(
     from ray.exceptions import RayActorError
 
     f = _Flight(costs, pool, submit)
-    left = len(chunks)
+    left = len(costs)
     feeding = more is not None
     while left or feeding:
         if feeding:

@@ -161,7 +161,7 @@ def test_mixed_versions_or_model_files_are_refused_in_one_line():
 def _dispatch(pool, chunks, **kw):
     got = []
     submit = lambda a, c: a.run.remote(chunks[c])  # noqa: E731
-    dispatch(chunks, [len(c) for c in chunks], pool, submit, lambda w, c, value: got.append((c, value)), **kw)
+    dispatch([len(c) for c in chunks], pool, submit, lambda w, c, value: got.append((c, value)), **kw)
     return got
 
 
@@ -187,7 +187,7 @@ def test_when_every_worker_is_lost_dispatch_stops_and_keeps_what_finished(ray_cl
     got = []
     submit = lambda a, c: a.run.remote(chunks[c])  # noqa: E731
     with pytest.raises(WorkersLost, match="every worker is lost"):
-        dispatch(chunks, [1] * 20, Pool(actors, lambda a: a.facts.remote()), submit, lambda w, c, v: got.append(c))
+        dispatch([1] * 20, Pool(actors, lambda a: a.facts.remote()), submit, lambda w, c, v: got.append(c))
     # 2 + 3 chunks ran; a reply still in flight when its process died may be lost (it would be re-run)
     assert sorted(got) == sorted(set(got)) and 3 <= len(got) <= 5
 

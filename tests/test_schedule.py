@@ -202,7 +202,7 @@ def run_sim(sim, workers, costs, **kw):
     pool = Pool(workers, revive=lambda w: w.revive())
     got: list[tuple[int, int, object]] = []
     dispatch(
-        [[c] for c in range(len(costs))], costs, pool,
+        costs, pool,
         lambda worker, c: worker.submit(c, costs[c]), lambda w, c, value: got.append((w, c, value)), **kw,
     )  # fmt: skip
     return pool, got
@@ -275,7 +275,7 @@ def test_dispatch_when_every_worker_is_lost(sim):
         from driver.schedule import dispatch
 
         pool = Pool([a, b], revive=lambda w: w.revive())
-        dispatch([[c] for c in range(10)], [1.0] * 10, pool, lambda w, c: w.submit(c, 1.0), lambda w, c, v: got.append(c))
+        dispatch([1.0] * 10, pool, lambda w, c: w.submit(c, 1.0), lambda w, c, v: got.append(c))
     # a's chunks 0 and 2 and b's 1 and 3 finished; 4 and 6 died with a, and b died in 7 after finishing 5
     assert sorted(got) == [0, 1, 2, 3, 5] and pool.alive == set()
 
@@ -287,11 +287,11 @@ def test_dispatch_gives_up_when_no_worker_comes_back_in_time(sim):
     late = SimWorker(sim, "late", 1.0, dies_at=1.5, back_at=100.0)
     pool = Pool([late], revive=lambda w: w.revive())
     with pytest.raises(WorkersLost, match=r"^every worker is lost and none came back within 30 s$"):
-        dispatch([[c] for c in range(6)], [1.0] * 6, pool, lambda w, c: w.submit(c, 1.0), lambda w, c, v: None, revive_timeout=30)
+        dispatch([1.0] * 6, pool, lambda w, c: w.submit(c, 1.0), lambda w, c, v: None, revive_timeout=30)
     assert sim.now == pytest.approx(1.5 + 30)
     gone = SimWorker(sim, "gone", 1.0, dies_at=sim.now + 0.5, back_at=sim.now + 1e6)
     with pytest.raises(WorkersLost, match=r"none came back within 600 s$"):  # the default: ten minutes
-        dispatch([[0], [1]], [1.0, 1.0], Pool([gone], revive=lambda w: w.revive()), lambda w, c: w.submit(c, 1.0), lambda *a: None)
+        dispatch([1.0, 1.0], Pool([gone], revive=lambda w: w.revive()), lambda w, c: w.submit(c, 1.0), lambda *a: None)
     late2 = SimWorker(sim, "late2", 1.0, dies_at=sim.now + 1.5, back_at=sim.now + 20.0)
     start = sim.now
     pool, got = run_sim(sim, [late2], [1.0] * 6, revive_timeout=30)
@@ -372,7 +372,7 @@ def test_dispatch_decisions_are_exactly_these(sim, name):
 
     pool = Pool(workers, revive=lambda w: w.revive())
     dispatch(
-        [[c] for c in range(len(costs))], costs, pool, submit,
+        costs, pool, submit,
         lambda w, c, value: trace.append(f"{c}>{w}@{sim.now - start:.6g}"), depth=depth, revive_timeout=revive_timeout,
     )  # fmt: skip
     assert " ".join(trace) == expected
