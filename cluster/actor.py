@@ -38,7 +38,7 @@ class WorkerActor:
         try:
             folder = resolve(spec.model, spec.revision, spec.adapter_path)  # local, this node's staged copy, or Hub
             self.check_fits(folder)
-            self.lm = load(spec.model_copy(update={"model": str(folder)}))  # resolved once
+            self.lm = load(spec.model_copy(update={"model": str(folder)}))  # no second Hub or staged-copy lookup
         except ModelLoadError as e:  # reported by facts(), so the driver prints the one-line message
             self.lm, self.error = None, e
 
@@ -123,10 +123,19 @@ def launch(
     return actors, [a.facts.remote() for a in actors]
 
 
-def ready(actors: list, refs: list, spec: ModelSpec) -> list[dict]:
+def held_files(facts: dict) -> dict:
+    """The model (and adapter) files a worker holds, by content: {"weights": …, "adapter": …}."""
+    held = {"weights": facts["model_files"]}
+    if facts.get("adapter_files"):
+        held["adapter"] = facts["adapter_files"]
+    return held
+
+
+def ready(actors: list, refs: list, spec: ModelSpec, files: dict | None = None) -> list[dict]:
     """Wait for each launched worker to hold its model; their facts.
 
-    Raises ModelLoadError / ClusterError in one line (and stops every actor) if any worker cannot serve.
+    Raises ModelLoadError / ClusterError in one line (and stops every actor) if any worker cannot serve: it
+    failed to load, the workers disagree, or they hold other files than `files` (the head's, by `held_files`).
     """
     import ray
     from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
@@ -145,6 +154,8 @@ def ready(actors: list, refs: list, spec: ModelSpec) -> list[dict]:
             except (RayActorError, OutOfMemoryError) as e:  # the worker process died (or Ray killed it for memory)
                 raise ClusterError(describe(e, actors, rank, doing=f"loading {spec.model}", model=spec.model)) from None
         problem = mismatch(facts)
+        if problem is None and files is not None:
+            problem = _other_files(held_files(facts[0]), files, facts[0]["hostname"], spec.model)
         if problem:
             raise ClusterError(problem)
     except BaseException:
@@ -154,6 +165,19 @@ def ready(actors: list, refs: list, spec: ModelSpec) -> list[dict]:
     if warning:  # once per run, in one line
         print(warning, file=sys.stderr)
     return facts
+
+
+def _other_files(held: dict, files: dict, host: str, model: str) -> str | None:
+    """One line if the workers hold other model (or adapter) files than the head tokenizes and keys the cache
+    with, else None."""
+    kind = next((k for k in ("weights", "adapter") if held.get(k) != files.get(k)), None)
+    if kind is None:
+        return None
+    theirs, ours = (str(d.get(kind) or "none")[:12] for d in (held, files))
+    return (
+        f"the workers hold other {kind} files than the head ({theirs} on {host}, {ours} here): the files changed "
+        f"since the head read them, or the nodes hold other copies: `driver stage --model {model}` (or `driver run --stage`) copies the head's"
+    )
 
 
 def start(spec: ModelSpec, batching: Batching, n: int, **options: Any) -> tuple[list, list[dict]]:

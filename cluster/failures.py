@@ -80,10 +80,11 @@ def weights_gb(path: str | None) -> str:
 
     from worker.load import weights_bytes
 
-    if not path or not Path(path).expanduser().is_dir():
+    folder = Path(path).expanduser() if path else None
+    if folder is None or not folder.is_dir():
         return ""
     try:
-        total = weights_bytes(Path(path).expanduser())
+        total = weights_bytes(folder)
     except OSError:
         return ""
     if not total:

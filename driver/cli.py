@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from . import preflight, settings
-from .evaluation import Plan, evaluate, lost_workers_line, open_model, parse_seeds, save
+from .evaluation import Plan, evaluate, lost_workers_line, on_workers, open_model, parse_seeds, save
 from .preflight import BadUsage, Refused
 
 DEMO_TASKS = "orchard_mc,orchard_ppl,orchard_gen"
@@ -359,8 +359,7 @@ def vectors(
     )
     vec.write_vectors(out, found, meta)
     seconds = time.monotonic() - start
-    where = f"on {info['workers']} workers" if info["workers"] else "all from the cache"
-    click.echo(f"{len(found)} vectors from {len(read)} pairs {where} in {seconds:.1f} s: {out}")
+    click.echo(f"{len(found)} vectors from {len(read)} pairs {on_workers(info)} in {seconds:.1f} s: {out}")
 
 
 @main.command("sweep")
@@ -410,7 +409,7 @@ def sweep_command(
     written = report.write_outputs(outcome, folder)
     facts = report.run_facts(outcome.info, outcome.seconds)
     click.echo(
-        f"{len(plan.grid)} configurations + baseline, {len(outcome.rows)} result rows {report.on_workers(facts)} in "
+        f"{len(plan.grid)} configurations + baseline, {len(outcome.rows)} result rows {on_workers(facts)} in "
         f"{facts['wall_s']:.1f} s ({facts['requests_computed']} requests computed, {facts['requests_cached']} from cache)"
     )
     click.echo(f"results: {folder} (summary.md, results.csv, {2 * len(written['plots'])} plots)")

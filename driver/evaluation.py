@@ -50,13 +50,19 @@ def _summary(info: dict, seconds: float) -> dict:
     }
 
 
+def on_workers(facts: dict, ray: bool = False) -> str:
+    """'on N workers on M nodes' (`ray`: and Ray's address), or why none ran; `facts`: an executor's info() or a
+    summary made from it."""
+    if not facts["workers"]:
+        return "on no workers (every result came from the cache)"
+    where = f" (Ray at {facts['address']})" if ray else ""
+    return f"on {facts['workers']} workers on {facts['nodes']} node{'s' * (facts['nodes'] != 1)}{where}"
+
+
 def _print_summary(summary: dict) -> None:
-    if not summary["workers"]:
-        click.echo(f"\nno workers started: all {summary['requests']} requests came from the cache ({summary['cache']}) in {summary['wall_s']:.1f} s")
-        return
     click.echo(
-        f"\n{summary['workers']} workers on {summary['nodes']} node{'s' * (summary['nodes'] != 1)} ({summary['address']}): "
-        f"{summary['requests']} requests ({summary['requests_cached']} from cache) in {summary['wall_s']:.1f} s"
+        f"\n{summary['requests']} requests ({summary['requests_cached']} from cache) {on_workers(summary, ray=True)} "
+        f"in {summary['wall_s']:.1f} s"
     )
     for name, row in summary["per_worker"].items():
         click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s")

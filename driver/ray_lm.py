@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from lm_eval.api.registry import register_model
 
-from cluster import ClusterError, Pool, WorkerActor, connect, launch, parse_workers, ready, stop, worker_count
+from cluster import ClusterError, Pool, WorkerActor, connect, held_files, launch, parse_workers, ready, stop, worker_count
 from worker.grid import GRID_BLOCK, distinct, split_point
 from worker.grid import KINDS as GRID_KINDS
 from worker.load import is_local
@@ -85,14 +85,6 @@ def _makespan(costs: list[float], workers: int) -> float:
     for cost in sorted(costs, reverse=True):
         heapq.heapreplace(loads, loads[0] + cost)
     return max(loads)
-
-
-def _loaded(facts: dict) -> dict:
-    """The files a worker holds, as they enter the cache identity."""
-    loaded = {"weights": facts["model_files"]}
-    if facts.get("adapter_files"):
-        loaded["adapter"] = facts["adapter_files"]
-    return loaded
 
 
 class _Intake:
@@ -181,7 +173,7 @@ class RayExecutor:
         self.model_identity, self.files = model_identity, files
         self.ident = identity({**model_identity, **files}) if files is not None else None
         self.cache = Cache(cache_dir) if cache_dir else None
-        self.connection, self.actors, self.pool = None, [], Pool([])
+        self.pool = Pool([])
         self._facts: list[dict] | None = None
         self.names: list[str] = []
         self.progress = Progress()
@@ -202,15 +194,24 @@ class RayExecutor:
             n = worker_count(requested)
             if o["stage"]:  # every node gets its own verified copy first; the workers load that
                 self.spec = self.spec.model_copy(update={"model": _stage(self.spec)})
-            self.actors, self._launched = launch(
+            actors, self._launched = launch(
                 self.spec, self.batching, n, actor_cls=o["actor_cls"], threads=o["threads"], max_restarts=o["max_restarts"]
             )
         except BaseException:
             connection.close()
             raise
-        self.connection = self._held.connection = connection
-        self._held.actors = self.actors
-        self.pool = Pool(self.actors)
+        self._held.connection, self._held.actors = connection, actors
+        self.pool = Pool(actors)
+
+    @property
+    def connection(self):
+        """The Ray connection, None until the workers are started."""
+        return self._held.connection
+
+    @property
+    def actors(self) -> list:
+        """The worker actors, [] until they are started."""
+        return self._held.actors
 
     @property
     def facts(self) -> list[dict]:
@@ -222,12 +223,8 @@ class RayExecutor:
         if self._facts is None:
             if self.connection is None:
                 self._start()
-            facts = ready(self.actors, self._launched, self.spec)
-            loaded = _loaded(facts[0])  # what the workers hold (all the same: `ready`)
-            if self.files is not None and loaded != self.files:
-                stop(self.actors)
-                raise ClusterError(self._other_files(loaded, facts[0]["hostname"]))
-            self.ident = identity({**self.model_identity, **loaded})
+            facts = ready(self.actors, self._launched, self.spec, self.files)  # the same files on every worker
+            self.ident = identity({**self.model_identity, **held_files(facts[0])})
             self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(facts)]
             self.progress.workers(self.names)
             self._facts = facts
@@ -238,13 +235,6 @@ class RayExecutor:
         start = time.monotonic()
         self.wait_ready()
         return time.monotonic() - start
-
-    def _other_files(self, loaded: dict, host: str) -> str:
-        """One line: the workers hold other model (or adapter) files than the head tokenized and keyed with."""
-        kind = next(k for k in ("weights", "adapter") if loaded.get(k) != self.files.get(k))
-        theirs, ours = (str(d.get(kind) or "none")[:12] for d in (loaded, self.files))
-        fix = "" if self.connection.embedded else f": `driver stage --model {self.spec.model}` (or `driver run --stage`) copies the head's"
-        return f"the workers hold other {kind} files than the head ({theirs} on {host}, {ours} here){fix or ': they changed during the run'}"
 
     def _plan(self, kind: str, requests: list) -> tuple[list[int], list[list[int]]]:
         """Token cost per request, and the groups a chunk must keep whole (shared inputs and prefixes)."""

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .evaluation import on_workers
+
 COLUMNS = ("config", "vector", "layer", "site", "op", "positions", "alpha", "task", "metric", "value", "stderr", "n", "delta")
 DPI = 100
 BASELINE = "baseline"
@@ -328,14 +330,6 @@ def run_facts(info: dict, seconds: float) -> dict:
         "per_worker": {n: {"requests": k, "requests_per_s": (info.get("requests_per_s") or {}).get(n)} for n, k in sorted(computed.items())},
         "cache": info.get("cache"),
     }
-
-
-def on_workers(facts: dict, ray: bool = False) -> str:
-    """'on N workers on M nodes' (`ray`: and the address), or why none ran."""
-    if not facts["workers"]:
-        return "on no workers (every result came from the cache)"
-    where = f" (Ray at {facts['address']})" if ray else ""
-    return f"on {facts['workers']} workers on {facts['nodes']} node{'s' * (facts['nodes'] != 1)}{where}"
 
 
 def summary_md(outcome, plots: dict[tuple[str, str], tuple[str, str]]) -> str:

@@ -148,3 +148,11 @@ def test_settings_parsers_in_the_users_words():
     assert settings.model_args("dtype=float16,prefix_reuse=false", flags={}) == {"dtype": "float16", "prefix_reuse": False}
     with pytest.raises(settings.SettingError, match=r"--model-args: dtype is given twice"):
         settings.model_args("dtype=float16,dtype=float32", flags={})
+
+
+def test_run_summaries_say_where_the_results_came_from():
+    from driver.evaluation import on_workers
+
+    assert on_workers({"workers": 0, "nodes": 0, "address": None}) == "on no workers (every result came from the cache)"
+    assert on_workers({"workers": 2, "nodes": 1, "address": "local"}, ray=True) == "on 2 workers on 1 node (Ray at local)"
+    assert on_workers({"workers": 4, "nodes": 2, "address": "10.0.0.1:6379"}) == "on 4 workers on 2 nodes"
