@@ -68,9 +68,9 @@ def tasks_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def stories_path() -> Path:
-    path = SHARED / "models" / "stories260K"
-    if not (path / "config.json").exists():
-        pytest.skip("../shared/models/stories260K is absent")
+    """The real TinyStories-260K model: it ships in examples/, so no test needs ../shared for it."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "stories260K"
+    assert (path / "config.json").exists(), "examples/stories260K ships with the project"
     return path
 
 

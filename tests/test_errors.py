@@ -234,6 +234,14 @@ PREFLIGHT = [
 ]  # fmt: skip
 
 
+# First contact (issue 15): one list per area, each owned by the code that makes the refusal.
+STEERING_ROWS: list[Case] = []  # steering specs, vectors, pairs
+SWEEP_ROWS: list[Case] = []  # sweep files and their outputs
+MODEL_ROWS: list[Case] = []  # model files, tokenizer, tasks, run flags, demo
+CLUSTER_ROWS: list[Case] = []  # workers on this machine, staging, cluster commands
+ROWS = SETTINGS + PREFLIGHT + STEERING_ROWS + SWEEP_ROWS + MODEL_ROWS + CLUSTER_ROWS
+
+
 def _argv(case: Case, w: World, folder: Path) -> list[str]:
     extra = case.setup(w, folder) if case.setup else []
     fill = [a.replace("{case}", str(folder)) for a in case.args]
@@ -252,7 +260,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("case", SETTINGS + PREFLIGHT, ids=lambda c: c.name.replace(" ", "-"))
+@pytest.mark.parametrize("case", ROWS, ids=lambda c: c.name.replace(" ", "-"))
 def test_mistake_is_one_line_and_writes_nothing(case: Case, world: World):
     folder = world.tmp / case.name.replace(" ", "_").replace(",", "")
     folder.mkdir(parents=True, exist_ok=True)
