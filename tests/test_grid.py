@@ -2,13 +2,15 @@
 
 The shared path gives every configuration the numbers of an independent steered run, on several
 architectures, with and without shared-prefix families, and really runs each unsteered block once and each
-configuration only the blocks from its split up; a model
+configuration only the blocks from its split up; every position rule at both sites, under shared few-shot
+prefixes and left truncation, gives each request's numbers and texts run on its own; a model
 where the mechanism does not hold falls back to independent runs; Ray on 1 and 3 workers equals the in-process
 grid; grid cells land in the result cache under the keys `run` uses.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +119,79 @@ def test_shared_path_equals_independent_steered_runs(models, arch, prefix_reuse)
     assert_close(got, want)
     assert max(abs(a[0] - b[0]) for a, b in zip(want[0], want[1])) > 1e-3  # the steering does change numbers
     assert not lm.hooks.active and not any(getattr(b, "_orchard_staged", False) for b in decoder_layers(lm.model))
+
+
+# --- every position rule and site, number by number against each request run on its own -------------------
+
+SITES = ("resid_pre", "resid_post")
+
+
+def rule_grid(positions: str) -> list[Steering]:
+    """One position rule at both sites of layers 1 and 2 of 4 (blocks above each: splits 1, 2, 2, 3), and the
+    baseline. A grid holding one rule only: another rule in the same grid cannot hide a bug of this one."""
+    ivs = [Intervention(layer=layer, site=site, vector=vector(2 * layer + k), alpha=3.0, positions=positions)
+           for layer in (1, 2) for k, site in enumerate(SITES)]  # fmt: skip
+    return [Steering()] + [Steering(interventions=(iv,)) for iv in ivs]
+
+
+def few_shot_requests(seed: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Two 40-token few-shot prefixes with three questions of two choices each (two prefix families), one input
+    with three context/continuation boundaries, and two requests longer than MAX_LENGTH whose left-truncated
+    inputs share a prefix (a family of their own)."""
+    rng = np.random.default_rng(seed)
+    ints = lambda n: tuple(rng.integers(3, 300, n).tolist())  # noqa: E731
+    out = []
+    for _ in range(2):
+        prefix = (1, *ints(40))
+        for _ in range(3):
+            ctx = prefix + ints(int(rng.integers(2, 6)))
+            out += [(ctx, ints(int(rng.integers(1, 4)))) for _ in range(2)]
+    ctx, cont = out[0][0], ints(3)
+    out += [(ctx, cont), (ctx + cont[:1], cont[1:]), (ctx + cont[:2], cont[2:])]
+    long = ints(MAX_LENGTH + 20)
+    out += [(long + ints(4), ints(3)) for _ in range(2)]
+    return out
+
+
+def window(request: tuple, max_length: int) -> tuple:
+    """The request cut to what lm-eval's HF window feeds (ctx + cont)[-(max_length + 1):], the continuation
+    whole: it then needs no truncation, so its reference owes nothing to the kernels' truncation code."""
+    ctx, cont = request
+    keep = max_length + 1 - len(cont)
+    return (ctx[-keep:], cont) if len(ctx) > keep else request
+
+
+def alone(lm, steering: Steering, reqs: list) -> list:
+    """Each request on its own (one row, no shared prefix, no truncation) through the plain in-process path."""
+    job = Job(kind="loglikelihood", steering=steering)
+    return [run(lm, job, [window(r, lm.max_length)], Batching())[0] for r in reqs]
+
+
+def gen_requests(seed: int) -> list[GenRequest]:
+    """Few-shot-like prompts (one shared prefix, other lengths: other left pads) and one longer than the room."""
+    rng = np.random.default_rng(seed)
+    prefix = (1, *rng.integers(3, 300, 40).tolist())
+    out = [GenRequest(context=prefix + tuple(rng.integers(3, 300, n).tolist()), max_gen_toks=5) for n in (2, 5, 9)]
+    return out + [GenRequest(context=tuple(rng.integers(3, 300, MAX_LENGTH).tolist()), max_gen_toks=5)]
+
+
+@pytest.mark.parametrize("positions", ["all", "prompt", "continuation", "last"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_every_position_rule_and_site_equals_each_request_run_alone(models, arch, positions):
+    lm, grid = models[arch], rule_grid(positions)
+    assert all(shares_lower(lm, split_point(s, LAYERS)) for s in grid[1:])  # the shared path, prefixes shared
+    reqs = few_shot_requests(11)
+    got = transpose(run(lm, Job(kind="loglikelihood", grid=tuple(grid)), reqs, Batching(batch_size=4, max_batch_tokens=256)))
+    want = [alone(lm, s, reqs) for s in grid]
+    assert_close(got, want, relative=True)
+    for c in range(1, len(grid)):  # each configuration changes numbers (so each was really compared)
+        assert max(abs(a[0] - b[0]) for a, b in zip(want[0], want[c])) > 1e-2, c
+    gens = gen_requests(12)
+    got = transpose(run(lm, Job(kind="generate", grid=tuple(grid)), gens, Batching(batch_size=4)))
+    cut = [replace(g, context=g.context[-(MAX_LENGTH - g.max_gen_toks) :]) for g in gens]
+    want = [[run(lm, Job(kind="generate", steering=s), [g], Batching())[0] for g in cut] for s in grid]
+    assert got == want
+    assert sum(w != want[0] for w in want[1:]) >= 2  # steering changed generated texts
 
 
 def _count_block_calls(lm, monkeypatch) -> dict[int, int]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from worker.load import load
-from worker.score import MIN_SHARED_PREFIX, Row, _batches, families, loglikelihood
+from worker.score import MIN_SHARED_PREFIX, Row, _batches, _families, _rows, families, loglikelihood
 from worker.spec import Batching
 
 
@@ -312,6 +312,29 @@ def test_steering_sees_the_same_positions_with_and_without_a_shared_prefix(lm, p
     assert sum(moved) > len(moved) // 2, positions
     if positions == "continuation":
         assert all(abs(reused[i][0] - plain[i][0]) <= 1e-4 for i in range(len(reqs)) if i not in acted)
+
+
+@pytest.mark.parametrize("positions", ["prompt", "continuation"])
+def test_steering_sees_the_prompt_boundary_of_the_left_truncated_input(lm, positions):
+    """A request longer than the window is left-truncated: steering that tells prompt from continuation must
+    see the boundary where the truncated input has it, i.e. give the numbers of the request cut to its window."""
+    from worker.steer import Add
+
+    d = lm.config.get("hidden_size") or lm.config["n_embd"]
+    add = Add(mx.random.normal((d,), key=mx.random.key(5)) * 2.0, positions=positions)
+    rng = np.random.default_rng(5)
+    ints = lambda n: [int(x) for x in rng.integers(3, 700, n)]  # noqa: E731
+    L, long = lm.max_length, ints(lm.max_length + 20)
+    reqs = [(ints(L + 30), ints(3)), (ints(L + 1), ints(2)), (long + ints(3), ints(4)), (long + ints(3), ints(4))]
+    cut = [(ctx[-(L + 1 - len(cont)) :], cont) for ctx, cont in reqs]  # fits the window: nothing to truncate
+    assert all(len(c) + len(x) == L + 1 for c, x in cut) and _families(_rows(reqs, L)[0], True)[0].prefix
+    plain = loglikelihood(lm, reqs)
+    with lm.hooks.installed([("resid_post.0", add)]):
+        got = loglikelihood(lm, reqs)
+        want = [loglikelihood(lm, [r])[0] for r in cut]
+    for (a, ga), (b, gb) in zip(got, want):
+        assert abs(a - b) <= 1e-4 + 1e-6 * abs(b) and ga == gb
+    assert all(abs(a[0] - b[0]) > 1e-3 for a, b in zip(got, plain))  # the steering acted on every request
 
 
 def test_shared_prefix_length_equals_a_plain_scan():

@@ -1,4 +1,5 @@
-"""driver.tokenize: fast head-side tokenization, token-identical to lm-eval's TemplateLM path per request.
+"""driver.tokenize: fast head-side tokenization, token-identical to lm-eval's TemplateLM path per request (the
+reference is lm-eval's own TemplateLM.loglikelihood and _encode_pair, not a copy of their rules).
 
 Real MMLU 5-shot requests come from lm-eval itself (offline cais/mmlu cache set up by conftest). lm-eval takes
 ~100 CPU-s to build all 56,168 requests and the per-request reference path runs ~300 req/s here, so by default
@@ -13,8 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
 
-from driver.tokenize import encode_pair_exact, encode_pairs, iter_encode_pairs, make_plan
+from driver.lm import OrchardLM
+from driver.tokenize import encode_pairs, iter_encode_pairs, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -26,9 +30,22 @@ def _prefix(tok) -> int:
     return tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id  # OrchardLM.prefix_token_id
 
 
+class _LmEval(OrchardLM):
+    """lm-eval's own tokenization of loglikelihood requests (TemplateLM.loglikelihood: the empty-context rule
+    and _encode_pair) with OrchardLM's tok_encode, on any tokenizer: no model, no copy of lm-eval's rules."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    loglikelihood = TemplateLM.loglikelihood
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        return [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
+
+
 def _reference(tok, pairs):
-    pref = _prefix(tok)
-    return [encode_pair_exact(tok, c, x, pref, tok.decode(pref)) for c, x in pairs]
+    """What lm-eval itself hands the model for each (context, continuation)."""
+    return _LmEval(tok).loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)], disable_tqdm=True)
 
 
 def _auto(path):
@@ -113,6 +130,9 @@ def _with_bos_cases(tok) -> list[tuple[str, str]]:
     return EDGE_PAIRS + [
         (bos + "Hello there.\n\nQ:", " A"),  # starts with the BOS text: add_special_tokens=False
         ("Hello " + bos + " mid.\n\nQ:", " A"),  # added-token text inside: encoded whole
+        # contexts that are strict prefixes of the BOS text: only the whole string starts with it (llama)
+        (bos[:-1], bos[-1:] + " after that, the end"),
+        (bos[:1], bos[1:] + "\n\nQ:"),
         ("", bos + " after"),  # the continuation starts with the prefix token
         ("", bos),
     ]
