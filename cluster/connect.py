@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +156,17 @@ def _ask(address: str, metadata: tuple):
     return None
 
 
+def _local_token(address: str) -> str | None:
+    """The token file of the local cluster (`driver cluster up`, cluster.local) when `address` is its address."""
+    from .local import HOST, read_state
+
+    state, target = read_state(), _split(address)
+    if not state or target is None:
+        return None
+    host, port = target
+    return state["token_file"] if port == state.get("port") and host in (HOST, "localhost") else None
+
+
 def probe(address: str, source: str = "--address", *, auto: bool = False) -> None:
     """Reachable, a Ray GCS, and it takes this driver's credentials; else one line saying what to set."""
     import grpc
@@ -172,6 +184,14 @@ def probe(address: str, source: str = "--address", *, auto: bool = False) -> Non
     code = error.code()
     if code == grpc.StatusCode.UNAUTHENTICATED:
         needs = f"the Ray cluster at {address} requires token authentication"
+        ours = _local_token(address)
+        if ours and os.environ.get("RAY_AUTH_TOKEN_PATH") != ours:
+            said = f"the Ray cluster at {address} rejects the token from {token}" if mode == "token" and token else needs
+            raise ClusterError(
+                f"{said}: it is the local cluster `driver cluster up` started, whose token is {ours}: set RAY_AUTH_MODE=token "
+                f"RAY_AUTH_TOKEN_PATH={ours}{' and unset RAY_AUTH_TOKEN' if os.environ.get('RAY_AUTH_TOKEN') else ''} "
+                f"(`eval \"$(driver cluster status --env)\"` sets them)"
+            )
         fix = "RAY_AUTH_TOKEN=<the cluster's token> (`ray get-auth-token` on the head node prints it; or RAY_AUTH_TOKEN_PATH=<file>)"
         if problem:
             raise ClusterError(f"{needs}: set RAY_AUTH_MODE=token; and {problem}")
@@ -238,6 +258,24 @@ def resolve(address: str | None) -> tuple[str, str]:
     return target, source
 
 
+def _init(ray, **kwargs) -> None:
+    """ray.init, but a process with its own SIGTERM handling (driver: the same as Ctrl-C) keeps it: Ray would
+    install an immediate exit, behind a C++ handler that prints a stack dump."""
+    import signal
+
+    import ray._private.utils as ray_utils
+
+    handler = signal.getsignal(signal.SIGTERM)
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        return ray.init(**kwargs)
+    own, ray_utils.set_sigterm_handler = ray_utils.set_sigterm_handler, lambda _: None
+    try:
+        ray.init(**kwargs)
+    finally:
+        ray_utils.set_sigterm_handler = own
+        signal.signal(signal.SIGTERM, handler)
+
+
 def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bool = False) -> Connection:
     """Join the cluster at `address` (None: $RAY_ADDRESS, else embedded), or reuse this process's Ray connection.
 
@@ -260,7 +298,8 @@ def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bo
     if target == LOCAL:
         # Ray's note that it turned token auth on for the embedded session (loopback only) is not news here.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(
+        _init(
+            ray,
             address="local",
             _node_ip_address="127.0.0.1",
             include_dashboard=dashboard,
@@ -271,7 +310,7 @@ def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bo
     from ray.exceptions import RayError
 
     try:
-        ray.init(address=target, **quiet)
+        _init(ray, address=target, **quiet)
     except (ConnectionError, RuntimeError, ValueError, RayError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         origin = " (from RAY_ADDRESS)" if source == "RAY_ADDRESS" else ""

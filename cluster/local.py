@@ -197,15 +197,28 @@ def join(state: dict, env: dict | None = None) -> None:
     _write_state(state)
 
 
+def _of_cluster(p, temp_dir: str) -> bool:
+    """Whether a process belongs to the cluster: its command line names the cluster's temp folder, or it runs with
+    that folder as RAY_TMPDIR (set for every `ray start` of `up`, so inherited by all Ray starts: Ray's client
+    server, `ray.util.client.server --address=...`, names neither folder nor node in its command line)."""
+    import psutil
+
+    if temp_dir in " ".join(p.info["cmdline"] or []):
+        return True
+    try:
+        return p.environ().get("RAY_TMPDIR") == temp_dir
+    except psutil.Error:
+        return False
+
+
 def processes(state: dict) -> list:
-    """The cluster's processes: those whose command line names its temp folder, and their children (Ray's workers
-    rename themselves `ray::...`)."""
+    """The cluster's processes (`_of_cluster`) and their children (Ray's workers rename themselves `ray::...`)."""
     import psutil
 
     found: set = set()
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if state["temp_dir"] in " ".join(p.info["cmdline"] or []):
+            if p.pid != os.getpid() and _of_cluster(p, state["temp_dir"]):
                 found.add(p)
                 found.update(p.children(recursive=True))
         except psutil.Error:

@@ -79,9 +79,7 @@ class StageNode:
         return staged.write_piece(self.folder, self.entries[rel], index, data, digest, self.piece_size)
 
     def finish(self) -> str:
-        if not staged.present(self.folder):
-            raise StageError(f"{staged.host()}: {self.folder} is still incomplete after staging: run `driver stage` again")
-        staged.mark_complete(self.folder, self.cid)
+        staged.finish(self.folder, self.cid)
         return str(self.folder)
 
 
@@ -149,6 +147,32 @@ def _get(node: NodeReport, ref: Any, name: str) -> Any:
         ) from None
 
 
+def _get_all(pairs: list[tuple[NodeReport, Any]], name: str) -> list:
+    """Every node's answer, in order; a failure is raised once all are in (Ray prints a traceback for a failed
+    answer nobody read)."""
+    results, first = [], None
+    for node, ref in pairs:
+        try:
+            results.append(_get(node, ref, name))
+        except Exception as e:
+            first = first or e
+            results.append(None)
+    if first is not None:
+        raise first
+    return results
+
+
+def _drain(refs: list) -> None:
+    """Read answers that a failure left unread, ignoring theirs (they are not news after the first)."""
+    import ray
+
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=30)
+        except Exception:
+            pass
+
+
 def _reason(error: Exception) -> str:
     """The last `SomeError: ...` line of a Ray actor failure (e.g. the node lacks Orchard), else a plain word."""
     found = [line.strip() for line in str(error).splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
@@ -200,15 +224,21 @@ def stream(source: Path, entries: list[dict], nodes: list[NodeReport], actors: d
     """Every missing piece, read and put once, to every node lacking it; at most PIECES_IN_FLIGHT out at once."""
     t0 = time.monotonic()
     inflight: collections.deque = collections.deque()
-    for entry in entries:
-        wanted = sorted(set().union(*(n.missing.get(entry["path"], set()) for n in nodes)))
-        for index in wanted:
-            targets = [n for n in nodes if index in n.missing.get(entry["path"], ())]
-            inflight.append(_send(source, entry, index, piece_size, targets, actors))
-            if len(inflight) >= PIECES_IN_FLIGHT:
-                _settle(inflight.popleft(), source, piece_size, actors, name, t0)
-    while inflight:
-        _settle(inflight.popleft(), source, piece_size, actors, name, t0)
+    try:
+        for entry in entries:
+            wanted = sorted(set().union(*(n.missing.get(entry["path"], set()) for n in nodes)))
+            for index in wanted:
+                targets = [n for n in nodes if index in n.missing.get(entry["path"], ())]
+                inflight.append(_send(source, entry, index, piece_size, targets, actors))
+                if len(inflight) >= PIECES_IN_FLIGHT:
+                    _settle(inflight[0], source, piece_size, actors, name, t0)
+                    inflight.popleft()
+        while inflight:
+            _settle(inflight[0], source, piece_size, actors, name, t0)
+            inflight.popleft()
+    except Exception:
+        _drain([ref for flight in inflight for _, ref in flight.get("writes", {}).values()])
+        raise
 
 
 def _place(node_cls: type, nodes: list[dict], *args: Any) -> dict:
@@ -227,18 +257,18 @@ def _place(node_cls: type, nodes: list[dict], *args: Any) -> dict:
 
 def _plan(model: str, revision: str | None, hub: bool, nodes: list[NodeReport], actors: dict, name: str) -> None:
     """Ask every node what it lacks; for a repo id, nodes lacking something try their own download first."""
-    refs = [actors[n.node_id].needs.remote() for n in nodes]
-    for n, ref in zip(nodes, refs):
-        n.missing = {rel: set(idx) for rel, idx in _get(n, ref, name).items()}
+    answers = _get_all([(n, actors[n.node_id].needs.remote()) for n in nodes], name)
+    for n, missing in zip(nodes, answers):
+        n.missing = {rel: set(idx) for rel, idx in missing.items()}
     if not hub:
         return
     lacking = [n for n in nodes if any(n.missing.values())]
-    notes = [(n, actors[n.node_id].from_hub.remote(model, revision)) for n in lacking]
-    for n, ref in notes:
-        n.hub = _get(n, ref, name)
-    refs = [actors[n.node_id].needs.remote() for n in lacking]
-    for n, ref in zip(lacking, refs):
-        n.missing = {rel: set(idx) for rel, idx in _get(n, ref, name).items()}
+    notes = _get_all([(n, actors[n.node_id].from_hub.remote(model, revision)) for n in lacking], name)
+    for n, note in zip(lacking, notes):
+        n.hub = note
+    answers = _get_all([(n, actors[n.node_id].needs.remote()) for n in lacking], name)
+    for n, missing in zip(lacking, answers):
+        n.missing = {rel: set(idx) for rel, idx in missing.items()}
 
 
 def stage(
@@ -262,16 +292,16 @@ def stage(
         raise ClusterError(f"the Ray cluster has no node with the `{RESOURCE}` resource to stage on: {MLX_HINT}")
     actors = _place(node_cls, alive, name, cid, entries, piece_size)
     try:
-        nodes = []
-        for node_id, actor in actors.items():
-            nodes.append(NodeReport(**_get(NodeReport("?", node_id, ""), actor.where.remote(), name)))
+        places = _get_all([(NodeReport("?", node_id, ""), actor.where.remote()) for node_id, actor in actors.items()], name)
+        nodes = [NodeReport(**where) for where in places]
         _plan(model, revision, not is_local(model), nodes, actors, name)
         for n in nodes:
             n.files_sent = sum(1 for idx in n.missing.values() if idx)
             n.files_kept = len(entries) - n.files_sent
         stream(source, entries, nodes, actors, piece_size, name)
-        for n, ref in [(n, actors[n.node_id].finish.remote()) for n in nodes]:
-            n.folder = _get(n, ref, name)
+        folders = _get_all([(n, actors[n.node_id].finish.remote()) for n in nodes], name)
+        for n, folder in zip(nodes, folders):
+            n.folder = folder
     finally:
         for actor in actors.values():
             ray.kill(actor, no_restart=True)

@@ -125,14 +125,25 @@ def test_nodes_json_lists_every_node_with_the_token(up: Up):
     assert not [w for w in report["warnings"] if "disagree" in w]
 
 
-def test_nodes_without_the_token_or_with_a_wrong_one_is_one_line(up: Up):
-    proc = driver("nodes", "--address", up.address, env=_env(up.home))
-    line = one_line_error(proc, f"the Ray cluster at {up.address} requires token authentication")
-    assert "RAY_AUTH_MODE=token" in line and "ray get-auth-token" in line
+def test_nodes_without_the_token_or_with_a_wrong_one_names_the_token_file_up_wrote(up: Up):
+    """Not ~/.ray/auth_token (which any embedded `ray.init` leaves behind): the file `cluster up` wrote."""
+    ours = up.auth["RAY_AUTH_TOKEN_PATH"]
+    fix = f"set RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={ours} (`eval \"$(driver cluster status --env)\"` sets them)"
+    default = up.home / "home" / ".ray" / "auth_token"
+    default.parent.mkdir(exist_ok=True)
+    default.write_text("1" * 64)
+    try:
+        for address in (up.address, up.address.replace("127.0.0.1", "localhost")):
+            line = one_line_error(driver("nodes", "--address", address, env=_env(up.home)), f"the Ray cluster at {address} requires token")
+            assert "it is the local cluster `driver cluster up` started" in line and line.endswith(fix) and "~/.ray" not in line
+        line = one_line_error(driver("nodes", "--address", up.address, env=_env(up.home, RAY_AUTH_MODE="token")), fix)
+        assert f"rejects the token from ~/.ray/auth_token: it is the local cluster" in line
+    finally:
+        default.unlink()
     wrong = up.home / "wrong"
     wrong.write_text("0" * 64)
     proc = driver("nodes", "--address", up.address, env=_env(up.home, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(wrong)))
-    one_line_error(proc, f"rejects the token from RAY_AUTH_TOKEN_PATH={wrong}")
+    one_line_error(proc, f"rejects the token from RAY_AUTH_TOKEN_PATH={wrong}: it is the local cluster")
 
 
 def test_nothing_listening_is_one_line(up: Up):
@@ -150,6 +161,70 @@ def test_status_and_a_second_up(up: Up):
     assert proc.returncode == 0 and proc.stdout.startswith("export RAY_AUTH_MODE=token ")
     proc = driver("cluster", "up", "--nodes", "2", env=_env(up.home))
     one_line_error(proc, f"a local cluster is already running at {up.address} ({NODES} nodes)")
+
+
+def _fresh_copy(model: Path, folder: Path) -> Path:
+    """The model with one config changed: another content id, so nothing of it is staged yet."""
+    shutil.copytree(model, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"copy": folder.name}))
+    return folder
+
+
+def _assert_staged(home: Path, model: Path) -> Path:
+    from worker.staged import content_id, manifest, staged_path
+
+    folder = staged_path(content_id(manifest(model)), root=home / "oh" / "models")
+    for e in manifest(model):
+        assert (folder / e["path"]).read_bytes() == (model / e["path"]).read_bytes()
+    return folder
+
+
+def test_two_stagings_at_once_into_the_store_every_node_shares(up: Up, stories_path: Path):
+    """The cluster's nodes share one store (one machine, one ORCHARD_HOME): two `driver stage` runs at once are
+    2 x NODES writers of the same files; both succeed, and a third run moves nothing."""
+    model = _fresh_copy(stories_path, up.home / "stories-twice")
+    argv = [sys.executable, "-m", "driver", "stage", "--model", str(model), "--address", up.address]
+    env = _env(up.home, **up.auth)
+    runs = [subprocess.Popen(argv, env=env, cwd=env["HOME"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [r.communicate(timeout=240) for r in runs]
+    for r, (out, err) in zip(runs, outputs):
+        assert r.returncode == 0 and "Traceback" not in err and "Error" not in err, out + err
+        assert out.strip().splitlines()[-1].startswith(f"staged stories-twice (7 files, 1.1 MB) on {NODES} nodes")
+    folder = _assert_staged(up.home, model)
+    assert not list((folder / ".orchard").rglob("*.tmp")) and not list((folder / ".orchard" / "partial").rglob("*"))
+    again = driver("stage", "--model", str(model), "--address", up.address, env=env)
+    lines = again.stdout.strip().splitlines()
+    assert again.returncode == 0 and len(lines) == NODES + 1, again.stdout + again.stderr
+    assert all(" sent 0 files (0.0 MB, " in line and line.endswith("kept 7") for line in lines[:-1]), again.stdout
+
+
+def test_run_with_stage_on_the_local_cluster(up: Up, stories_path: Path, tasks_dir: Path):
+    model = _fresh_copy(stories_path, up.home / "stories-run")
+    proc = driver(
+        "run", "--model", str(model), "--tasks", "orchard_mc", "--include-path", str(tasks_dir), "--limit", "3",
+        "--workers", "2", "--threads", "1", "--stage", "--address", up.address, "--output-path", str(up.home / "run-out"),
+        env=_env(up.home, **up.auth),
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"staged {model} on {NODES} nodes" in proc.stderr and "orchard_mc" in proc.stdout
+    _assert_staged(up.home, model)
+
+
+def test_a_staging_failure_in_run_is_one_line(up: Up, stories_path: Path, tasks_dir: Path):
+    """A node that cannot write its copy (here: a file where the staged folder goes) fails `run --stage` in one line."""
+    from worker.staged import content_id, folder_for, manifest
+
+    model = _fresh_copy(stories_path, up.home / "stories-blocked")
+    blocker = folder_for(model.name, content_id(manifest(model)), root=up.home / "oh" / "models")
+    blocker.write_text("in the way")
+    proc = driver(
+        "run", "--model", str(model), "--tasks", "orchard_mc", "--include-path", str(tasks_dir), "--limit", "3",
+        "--workers", "1", "--stage", "--address", up.address, "--output-path", str(up.home / "blocked-out"),
+        env=_env(up.home, **up.auth),
+    )  # fmt: skip
+    line = one_line_error(proc, f"Error: {socket.gethostname()} (")
+    assert "Not a directory" in line and str(blocker) in line and "internal error" not in line
+    assert "Unhandled error" not in proc.stdout + proc.stderr
 
 
 def test_a_node_with_another_orchard_version_lists_it_and_fails_in_one_line(up: Up, monkeypatch):
@@ -181,7 +256,14 @@ def _running(p) -> bool:
         return False
 
 
+def _names(p, *marks: str) -> bool:
+    line = " ".join(p.info["cmdline"] or [])
+    return any(mark in line for mark in marks)
+
+
 def test_down_stops_every_process_of_the_cluster(up: Up):
+    import psutil
+
     from cluster import local
 
     procs = local.processes(up.state)
@@ -191,6 +273,10 @@ def test_down_stops_every_process_of_the_cluster(up: Up):
     time.sleep(0.5)
     left = [p for p in procs if _running(p)]
     assert not left and not local.processes(up.state), left
+    # Listed independently of `local.processes`: nothing names the cluster's folder or address any more (Ray's
+    # client server, `ray.util.client.server --address=127.0.0.1:PORT`, names only the address).
+    named = [p for p in psutil.process_iter(["cmdline"]) if _names(p, up.state["temp_dir"], f"={up.address}")]
+    assert not [p.info["cmdline"] for p in named if _running(p)]
     assert _state(up.home) is None and not Path(up.state["temp_dir"]).exists()
     assert Path(up.auth["RAY_AUTH_TOKEN_PATH"]).exists()  # made once: the next `up` uses the same token
     proc = driver("cluster", "down", env=_env(up.home))
@@ -210,3 +296,37 @@ def test_a_cluster_without_mlx_nodes_is_one_line(home: Path, monkeypatch):
         assert "--resources" in line
     finally:
         local.down()
+
+
+# --- how many workers this machine holds (--address local) ---------------------------------------------------------
+
+
+def test_the_local_worker_limit_counts_cores_and_copies_of_the_weights():
+    from cluster.limits import RAY_OVERHEAD, WORKER_OVERHEAD, WORKERS_PER_CORE, local_problem
+
+    gb = 2**30
+    assert local_problem(2 * WORKERS_PER_CORE, cores=2, available=64 * gb, weights=gb) is None
+    line = local_problem(2 * WORKERS_PER_CORE + 1, cores=2, available=64 * gb, weights=gb)
+    assert line.startswith(f"--workers {2 * WORKERS_PER_CORE + 1} with Ray on this machine (--address local): it has 2 CPU cores")
+    assert f"pass --workers {2 * WORKERS_PER_CORE} or fewer" in line
+    per = gb + WORKER_OVERHEAD  # 5 workers of a 1 GB model fit in exactly this much, 6 do not
+    room = RAY_OVERHEAD + 5 * per
+    assert local_problem(5, cores=8, available=room, weights=gb) is None
+    line = local_problem(6, cores=8, available=room, weights=gb)
+    assert "6 copies of the model (1.0 GB of weights each)" in line and "pass --workers 5 or fewer" in line
+    assert "free memory" in local_problem(1, cores=8, available=RAY_OVERHEAD, weights=gb)
+
+
+def test_simple_evaluate_refuses_more_local_workers_than_this_machine_holds_before_ray_starts(stories_path: Path, tmp_path: Path):
+    """lm-eval's own entry point (model_args workers=N), in a fresh process: refused before Ray is imported."""
+    code = (
+        "import sys, lm_eval, driver\n"
+        "from cluster import ClusterError\n"
+        "try:\n"
+        f"    lm_eval.simple_evaluate(model='mlx-ray', model_args='pretrained={stories_path},workers=1000,address=local', tasks=['x'])\n"
+        "except ClusterError as e:\n"
+        "    print('refused:', e, '| ray started:', 'ray' in sys.modules and sys.modules['ray'].is_initialized())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=240)
+    assert proc.stdout.startswith("refused: --workers 1000 with Ray on this machine (--address local): it has "), proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("| ray started: False") and not list(tmp_path.iterdir())

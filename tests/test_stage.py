@@ -164,6 +164,63 @@ def test_a_node_short_of_disk_space_is_refused_in_one_line(cluster, fresh_model)
     assert "not enough disk space to stage fresh:" in message and "MB needed in" in message and "0.0 MB free" in message
 
 
+class HalfDisk(StageNode):
+    """A disk with room for half the model: enough for a few missing pieces, not for the whole model."""
+
+    def free_bytes(self) -> int:
+        return sum(e["size"] for e in self.entries.values()) // 2
+
+
+def test_a_mostly_staged_node_needs_space_only_for_its_missing_pieces(cluster, base_model):
+    address, roots = cluster  # the first test staged base_model everywhere
+    folder = staged_path(content_id(manifest(base_model)), root=roots[0])
+    (folder / "config.json").unlink()
+    with open(folder / "model.safetensors", "r+b") as f:  # one damaged piece: 64 KiB to resend
+        f.seek(2 * SMALL)
+        f.write(b"\x00" * 8)
+    report = stage(str(base_model), piece_size=SMALL, node_cls=HalfDisk)
+    assert [by_folder(report)[str(r.parent)].files_sent for r in roots] == [2, 0, 0]
+    assert_on_every_node(report, base_model, roots)
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from worker import staged
+
+source, folder, piece = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+entries = staged.manifest(source)
+cid = staged.content_id(entries)
+for rel, indices in staged.needs(folder, entries, cid, piece).items():
+    entry = next(e for e in entries if e["path"] == rel)
+    for i in indices:
+        with open(source / rel, "rb") as f:
+            f.seek(i * piece)
+            data = f.read(piece)
+        assert staged.write_piece(folder, entry, i, data, __import__("hashlib").sha256(data).hexdigest(), piece)
+staged.finish(folder, cid)
+print("ok")
+"""
+
+
+def test_several_processes_staging_into_one_folder_at_once_all_succeed(base_model, tmp_path):
+    """The node's side of staging from 4 processes at once (4 nodes on one disk, or 4 `driver stage` runs): each
+    asks what is missing, writes every piece it was told to, and finishes; every file ends up whole and verified."""
+    import subprocess
+
+    cid = content_id(manifest(base_model))
+    folder = tmp_path / "store" / f"tiny-{cid[:16]}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "ORCHARD_HOME": str(tmp_path / "oh")}
+    argv = [sys.executable, "-c", _WRITER, str(base_model), str(folder), str(16 << 10)]
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [o.strip().splitlines()[-1] for o in outputs] == ["ok"] * 4, "\n".join(outputs)[-3000:]
+    assert staged_path(cid, root=folder.parent) == folder
+    for e in manifest(base_model):
+        assert sha(folder / e["path"]) == e["sha256"]
+    assert not list((folder / STATE).rglob("*.tmp")) and not [p for p in (folder / STATE / "partial").rglob("*") if p.is_file()]
+
+
 def test_cli_stages_and_prints_one_line_per_node(cluster, fresh_model):
     address, roots = cluster
     result = CliRunner().invoke(main, ["stage", "--model", str(fresh_model), "--address", address])

@@ -13,6 +13,11 @@ the manifest, `partial/<file>` (a file being written, at its final size, holes w
 is on disk), and `complete` (the content id, written once every file is verified). A file moves into the
 model folder only when its full sha256 matches, so the model folder never holds a wrong byte for long.
 
+Any number of writers may share one store (the nodes of `driver cluster up` on one machine, two `driver stage`
+runs at once): every change to a staged folder happens under an exclusive lock on its `.orchard/lock` (fcntl),
+small files are written under unique temporary names and renamed into place, and a writer that finds a file
+already finished by another takes it as done.
+
 Resuming: every journaled piece of a partial file is hashed again; good pieces are kept, the rest are asked
 for. A finished file that no longer matches its sha256 is moved back to `partial/` and checked the same way,
 so a flipped byte costs one piece, not the whole file.
@@ -24,12 +29,16 @@ raises StageError, in one line, when this node does not hold it complete.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from .identity import Memo, file_digest, file_digests, memo_path, sha256_file
@@ -71,6 +80,29 @@ def folder_for(name: str, cid: str, root: Path | None = None) -> Path:
 
 def host() -> str:
     return socket.gethostname()
+
+
+@contextlib.contextmanager
+def locked(folder: Path) -> Iterator[None]:
+    """One writer at a time in a staged folder, across processes (an exclusive flock, released on close)."""
+    state = Path(folder) / STATE
+    state.mkdir(parents=True, exist_ok=True)
+    with open(state / "lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`path` holds the old text or the new one, never a part: a unique temporary file renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 # --- what a node lacks ------------------------------------------------------------------------------------------
@@ -129,9 +161,7 @@ def _start_over(partial: Path, journal: Path, entry: dict, piece_size: int, keep
     with open(partial, "ab") as f:
         f.truncate(entry["size"])
     lines = [_header(entry, piece_size)] + [f"{i} {d}" for i, d in sorted(keep.items())]
-    tmp = journal.with_name(journal.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(journal)
+    write_atomic(journal, "\n".join(lines) + "\n")
 
 
 def file_needs(folder: Path, entry: dict, piece_size: int = PIECE, memo: Memo | None = None) -> list[int]:
@@ -162,17 +192,17 @@ def needs(folder: Path, entries: list[dict], cid: str, piece_size: int = PIECE) 
 
     Writes the manifest first, and marks the folder complete when nothing is missing."""
     state = folder / STATE
-    state.mkdir(parents=True, exist_ok=True)
-    (state / "manifest.json").write_text(json.dumps({"content_id": cid, "files": entries}, indent=1))
-    memo = Memo()
-    try:
-        missing = {e["path"]: file_needs(folder, e, piece_size, memo) for e in entries}
-    finally:
-        memo.close()
-    if any(missing.values()):
-        (state / "complete").unlink(missing_ok=True)
-    else:
-        mark_complete(folder, cid)
+    with locked(folder):
+        write_atomic(state / "manifest.json", json.dumps({"content_id": cid, "files": entries}, indent=1))
+        memo = Memo()
+        try:
+            missing = {e["path"]: file_needs(folder, e, piece_size, memo) for e in entries}
+        finally:
+            memo.close()
+        if any(missing.values()):
+            (state / "complete").unlink(missing_ok=True)
+        else:
+            mark_complete(folder, cid)
     return missing
 
 
@@ -207,7 +237,17 @@ def write_piece(folder: Path, entry: dict, index: int, data, digest: str, piece_
     view = memoryview(data).cast("B")
     if len(view) != _piece_len(entry["size"], index, piece_size) or hashlib.sha256(view).hexdigest() != digest:
         return False
-    _, partial, journal = _paths(folder, entry["path"])
+    with locked(folder):
+        _write_piece(folder, entry, index, view, digest, piece_size)
+    return True
+
+
+def _write_piece(folder: Path, entry: dict, index: int, view: memoryview, digest: str, piece_size: int) -> None:
+    final, partial, journal = _paths(folder, entry["path"])
+    if not partial.is_file():
+        if final.is_file() and final.stat().st_size == entry["size"]:
+            return  # another writer of this store finished the file (its sha256 was checked then)
+        _start_over(partial, journal, entry, piece_size, {})
     fd = os.open(partial, os.O_WRONLY)
     try:
         written = 0
@@ -221,7 +261,6 @@ def write_piece(folder: Path, entry: dict, index: int, data, digest: str, piece_
     done = _journal(journal, entry, piece_size) or {}
     if len(done.keys() & set(range(n_pieces(entry["size"], piece_size)))) == n_pieces(entry["size"], piece_size):
         finalize(folder, entry)
-    return True
 
 
 def finalize(folder: Path, entry: dict) -> None:
@@ -241,6 +280,11 @@ def finalize(folder: Path, entry: dict) -> None:
 def adopt(folder: Path, entries: list[dict], snapshot: Path) -> int:
     """Files of a local snapshot (the node's own Hub download) whose size and sha256 are the manifest's, linked
     (else copied) into place; returns how many. The rest still come from the head."""
+    with locked(folder):
+        return _adopt(folder, entries, snapshot)
+
+
+def _adopt(folder: Path, entries: list[dict], snapshot: Path) -> int:
     memo, adopted = Memo(), 0
     try:
         for e in entries:
@@ -249,7 +293,7 @@ def adopt(folder: Path, entries: list[dict], snapshot: Path) -> int:
                 continue
             if file_digest(src, memo)[1] != e["sha256"]:
                 continue  # another revision than the head's
-            tmp = folder / STATE / "adopt" / e["path"]
+            tmp = folder / STATE / "adopt" / f"{e['path']}.{os.getpid()}"  # unique: another process may adopt too
             tmp.parent.mkdir(parents=True, exist_ok=True)
             tmp.unlink(missing_ok=True)
             try:
@@ -265,7 +309,15 @@ def adopt(folder: Path, entries: list[dict], snapshot: Path) -> int:
 
 
 def mark_complete(folder: Path, cid: str) -> None:
-    (folder / STATE / "complete").write_text(cid + "\n")
+    write_atomic(folder / STATE / "complete", cid + "\n")
+
+
+def finish(folder: Path, cid: str) -> None:
+    """Mark the folder complete once every manifest file is in place; StageError (one line) if one is not."""
+    with locked(folder):
+        if not present(folder):
+            raise StageError(f"{host()}: {folder} is still incomplete after staging: run `driver stage` again")
+        mark_complete(folder, cid)
 
 
 def present(folder: Path) -> bool:
