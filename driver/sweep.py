@@ -26,7 +26,11 @@ shape, every vector, the tasks, the prompt set), before any worker starts or any
    set's requests (target log-probabilities, generations) in one chunked dispatch per request kind, each cell
    cached as it arrives under the key a per-configuration `run` uses: a rerun computes only what is missing.
 3. lm-eval runs once per configuration with that steering, its requests answered from step 2, for lm-eval's
-   own metrics.
+   own metrics (driver.sweep_lm_eval).
+4. The unsteered model scores every configuration's generations (driver.fluency), through the same grid.
+
+A configuration whose scores are non-finite is set aside (driver.sweep_grid) and recorded as failed cells
+(driver.sweep_rows), never as numbers.
 
 `driver.report` turns the rows into the output folder's tables, summary and plots.
 """
@@ -35,21 +39,24 @@ from __future__ import annotations
 
 import difflib
 import itertools
-import math
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
-from worker.spec import NO_STEERING, Intervention, Job, Steering
+from worker.spec import NO_STEERING, Intervention, Steering
 
-from .schedule import gather
+from . import fluency
+from .sweep_grid import run_grids
+from .sweep_lm_eval import Recorder, lm_eval_per_config, swapped_executor
+from .sweep_rows import PROMPT_HIGHER, Outcome, add_deltas, lm_eval_failure, lm_eval_rows, prompt_rows
+from .targets import count_long, truncated, unequal_lengths
+from .targets import score as target_score
 from .userfiles import explain, jsonl_lines, short
 
 __all__ = ["SweepError", "SweepFile", "Sweep", "Config", "Prompt", "load_sweep", "run"]
@@ -190,6 +197,9 @@ class PromptSet(BaseModel):
     temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     seed: StrictInt = 0  # with temperature > 0: each (prompt, seed) draws the same sample on any worker
     until: tuple[str, ...] = ()
+    # a target's summed log-prob (its whole probability), or its mean per token; unset: sum, with a warning
+    # when a prompt's targets differ in token length
+    target_score: Literal["sum", "mean"] | None = None
 
     @field_validator("until", mode="before")
     @classmethod
@@ -310,12 +320,12 @@ def _read_yaml(path: Path) -> Any:
         raise SweepError(f"{path}: no such file (check the path)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise SweepError(_one_line(f"{path}: cannot read the file ({type(e).__name__}: {e})")) from None
+    from .userfiles import load_yaml, yaml_problem
+
     try:
-        return yaml.safe_load(text)  # JSON is YAML
+        return load_yaml(text)  # JSON is YAML; a key given twice is refused, naming its lines
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise SweepError(_one_line(f"{path}: malformed YAML{at}: {getattr(e, 'problem', None) or e}")) from None
+        raise SweepError(_one_line(f"{path}: {yaml_problem(e)}")) from None
 
 
 # --- the resolved sweep ---------------------------------------------------------------------------------------
@@ -432,6 +442,14 @@ def _fmt_alpha(alpha: float) -> str:
     return f"{alpha:+g}"
 
 
+def _steering(iv: Intervention, where: str) -> Steering:
+    """One configuration's steering, validated as the worker will (e.g. alpha·v finite in float32)."""
+    try:
+        return Steering(interventions=(iv,))
+    except ValidationError as e:
+        raise SweepError(_one_line(f"{where}: {e.errors()[0]['msg'].removeprefix('Value error, ')}")) from None
+
+
 def _configs(spec: SweepFile, layers: list[int], shape, base: Path, where: str) -> list[Config]:
     g = spec.grid
     names = list(g.vectors) if g.vectors is not None else list(spec.vectors)
@@ -453,7 +471,7 @@ def _configs(spec: SweepFile, layers: list[int], shape, base: Path, where: str) 
             alphas = [a for a in g.alphas if not (a == 0 and op in _IDENTITY_AT_ZERO)]  # alpha 0: the baseline
         for alpha in alphas:
             iv: Intervention = base_iv.model_copy(update={"op": op, "positions": positions, "alpha": 1.0 if alpha is None else float(alpha)})
-            steering = Steering(interventions=(iv,))
+            steering = _steering(iv, f"{where}: grid.alphas: {alpha:g} (vector {name}, layer {layer}, {site}, {op})")
             cid = f"{name}.{site}.L{layer}.{op}.{positions}" + ("" if alpha is None else f".a{_fmt_alpha(alpha)}")
             written = {"layer": layer, "site": site, "op": op, "positions": positions, "alpha": iv.alpha, "normalize": iv.normalize,
                        "vector": {"source": name, **{k: vrecord[k] for k in ("path", "key")}}}  # fmt: skip
@@ -499,16 +517,30 @@ def read_prompts(path: Path, where: str) -> list[Prompt]:
 _MANAGERS: dict[str | None, Any] = {}
 
 
+def _check_task_names(names: Sequence[str], include: str | None, where: str) -> None:
+    from .preflight import BadUsage, Refused, check_tasks
+
+    for name in names:
+        try:
+            check_tasks(name, include)
+        except (BadUsage, Refused):
+            raise SweepError(
+                f"{where}: tasks.names: unknown task {name!r} (list tasks with `lm_eval ls tasks`, or give tasks.include_path)"
+            ) from None
+
+
 def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
-    from lm_eval.tasks import TaskManager
-
-    from .evaluation import Plan, parse_seeds
-
     include = None
     if tasks.include_path is not None:
         include = str((base / Path(tasks.include_path).expanduser()).resolve())
         if not Path(include).is_dir():
             raise SweepError(f"{where}: tasks.include_path: {include} is not a folder of task YAMLs")
+    _check_task_names(tasks.names, include, where)  # as fast as `driver run`'s check, before lm-eval's index
+
+    from lm_eval.tasks import TaskManager
+
+    from .evaluation import Plan, parse_seeds
+
     if include not in _MANAGERS:  # indexing lm-eval's tasks takes seconds: once per process and folder
         _MANAGERS[include] = TaskManager(include_path=include)
     manager = _MANAGERS[include]
@@ -571,114 +603,33 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
 # --- running it -----------------------------------------------------------------------------------------------
 
 
-class _Recorder:
-    """An executor that passes jobs through and remembers each call's (kind, requests)."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.calls = inner, []
-
-    def run(self, job: Job, requests: Iterable, total: int | None = None) -> list:
-        requests = gather(requests, total)
-        self.calls.append((job.kind, requests))
-        return self.inner.run(job, requests)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-class _Replay:
-    """An executor that answers the recorded calls, in order, from a configuration's grid results; anything else
-    (lm-eval asked for different requests) goes to the real executor, which serves it from the cache or computes it."""
-
-    def __init__(self, inner, calls: list, answers: list, steering: Steering) -> None:
-        self.inner, self.calls, self.answers, self.steering = inner, calls, answers, steering
-        self.next, self.missed = 0, 0
-
-    def run(self, job: Job, requests: Iterable, total: int | None = None) -> list:
-        requests = gather(requests, total)
-        i, self.next = self.next, self.next + 1
-        if i < len(self.calls) and job.steering == self.steering and self.calls[i] == (job.kind, list(requests)):
-            return list(self.answers[i])
-        self.missed += len(requests)
-        return self.inner.run(job, requests)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-def _swapped_executor(lm, executor):
-    import contextlib
-
-    @contextlib.contextmanager
-    def block():
-        saved, lm.executor = lm.executor, executor
-        try:
-            yield executor
-        finally:
-            lm.executor = saved
-
-    return block()
-
-
 def _encode_target(lm, context: str, continuation: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """lm-eval's tokenization of a (context, continuation) pair (TemplateLM.loglikelihood)."""
     ctx, cont = lm._encode_pair(context, continuation)
     return tuple(ctx), tuple(cont)
 
 
-@dataclass
-class Outcome:
-    """What a sweep produced, for `driver.report`."""
-
-    sweep: Sweep
-    rows: list[dict]  # tidy: one per configuration × metric
-    generations: list[dict]
-    lm_eval: dict[str, dict]  # configuration id -> lm-eval's results (without samples)
-    info: dict  # the executor's facts
-    seconds: float
-    higher_is_better: dict[tuple[str, str], bool | None]
-
-
-def _mean_stderr(values: Sequence[float]) -> tuple[float, float | None]:
-    a = np.asarray(values, dtype=np.float64)
-    return float(a.mean()), (float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else None)
-
-
-def _prompt_rows(name: str, prompts: list[Prompt], logprobs: dict[tuple[int, str], float]) -> list[tuple[str, float, float | None, int]]:
-    """(metric, value, stderr, n) for one configuration on one prompt set."""
-    rows = []
-    names = sorted({t for p in prompts for t in p.targets}, key=lambda t: (t not in ("positive", "negative"), t != "positive", t))
-    for t in names:
-        values = [logprobs[(i, t)] for i, p in enumerate(prompts) if t in p.targets]
-        rows.append((f"logprob_{t}", *_mean_stderr(values), len(values)))
-    both = [i for i, p in enumerate(prompts) if "positive" in p.targets and "negative" in p.targets]
-    if both:
-        diff = [logprobs[(i, "positive")] - logprobs[(i, "negative")] for i in both]
-        rows.append(("logprob_diff", *_mean_stderr(diff), len(diff)))
-        prob = [1.0 / (1.0 + math.exp(-d)) for d in diff]  # p(positive) / (p(positive) + p(negative))
-        rows.append(("p_positive", *_mean_stderr(prob), len(prob)))
-    return rows
-
-
-_PROMPT_HIGHER = {"logprob_negative": False}
-
-
-def _lm_eval_rows(results: dict) -> tuple[list[tuple[str, str, float, float | None, int | None]], dict]:
-    """(task, metric, value, stderr, n) from lm-eval's results, and {(task, metric): higher_is_better}."""
-    rows, better = [], {}
-    n_samples = results.get("n-samples", {})
-    for task, metrics in results.get("results", {}).items():
-        for name, value in metrics.items():
-            if "," not in name or "_stderr," in name or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            metric, filt = name.split(",", 1)
-            stderr = metrics.get(f"{metric}_stderr,{filt}")
-            stderr = float(stderr) if isinstance(stderr, (int, float)) and not isinstance(stderr, bool) else None
-            label = metric if filt == "none" else f"{metric},{filt}"
-            n = (n_samples.get(task) or {}).get("effective")
-            rows.append((task, label, float(value), stderr, n))
-            better[(task, label)] = (results.get("higher_is_better", {}).get(task) or {}).get(metric)
-    return rows, better
+def _prompt_requests(lm, sweep: Sweep) -> tuple[list, list, list, list]:
+    """The prompt sets' requests: (targets [(set, prompt index, target, tokens)], their token pairs, gens [(set,
+    prompt index)], their generation requests), with one warning per set for unequal targets and truncation."""
+    targets, pairs, gens, gen_requests = [], [], [], []
+    for name, (ps, prompts) in sweep.prompt_sets.items():
+        lengths, long_prompts, first = [], 0, len(pairs)
+        for i, p in enumerate(prompts):
+            lengths.append({})
+            for t, continuation in p.targets.items():
+                pairs.append(_encode_target(lm, p.text, continuation))
+                targets.append((name, i, t, len(pairs[-1][1])))
+                lengths[-1][t] = (continuation, len(pairs[-1][1]))
+            if ps.generate:
+                gen_kwargs = {"until": list(ps.until), "max_gen_toks": ps.max_gen_toks, "temperature": ps.temperature,
+                              "do_sample": ps.temperature > 0}  # fmt: skip
+                gens.append((name, i))
+                gen_requests.append(lm.generation_request(p.text, gen_kwargs, ps.seed))
+                long_prompts += len(gen_requests[-1].context) < len(lm.tok_encode(p.text))
+        unequal_lengths(name, lengths, ps.target_score)
+        truncated(name, count_long(pairs[first:], lm.max_length), long_prompts, len(prompts), lm.max_length)
+    return targets, pairs, gens, gen_requests
 
 
 def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, output: Path, cache: str | None = None,
@@ -701,74 +652,62 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         calls: list = []
         results: dict[str, dict] = {}
         if sweep.plan is not None:
-            recorder = _Recorder(lm.executor)
-            with _swapped_executor(lm, recorder):
+            recorder = Recorder(lm.executor)
+            with swapped_executor(lm, recorder):
                 results[BASELINE] = evaluate(lm, args, sweep.plan, str(output)).results
             calls = recorder.calls
         # 2. every (configuration, request) cell, one dispatch per request kind
         wanted: dict[str, list] = {"loglikelihood": [], "generate": []}
         for kind, requests in calls:
             wanted[kind].extend(requests)
-        targets, gens = [], []  # (prompt set, prompt index, target name) / (prompt set, prompt index)
-        for name, (ps, prompts) in sweep.prompt_sets.items():
-            for i, p in enumerate(prompts):
-                for t, continuation in p.targets.items():
-                    targets.append((name, i, t))
-                    wanted["loglikelihood"].append(_encode_target(lm, p.text, continuation))
-                if ps.generate:
-                    gen_kwargs = {"until": list(ps.until), "max_gen_toks": ps.max_gen_toks, "temperature": ps.temperature,
-                                  "do_sample": ps.temperature > 0}  # fmt: skip
-                    gens.append((name, i))
-                    wanted["generate"].append(lm.generation_request(p.text, gen_kwargs, ps.seed))
-        answers = {}
-        for kind, requests in wanted.items():
-            if requests:
-                echo(f"sweep: {len(requests)} {kind} requests × {len(configs)} configurations")
-                answers[kind] = lm.executor.run_grid(kind, steerings, requests)
+        targets, target_pairs, gens, gen_requests = _prompt_requests(lm, sweep)
+        wanted["loglikelihood"] += target_pairs
+        wanted["generate"] += gen_requests
+        answers, failed = run_grids(lm.executor, steerings, wanted, echo)  # a non-finite configuration is set aside
         # 3. lm-eval per configuration, answered from the grid
         if sweep.plan is not None:
-            offsets: dict[str, int] = {"loglikelihood": 0, "generate": 0}
-            spans = []
-            for kind, requests in calls:
-                spans.append((kind, offsets[kind], len(requests)))
-                offsets[kind] += len(requests)
-            for c, config in enumerate(configs[1:], 1):
-                per_call = [answers[kind][c][o : o + n] for kind, o, n in spans]
-                replay = _Replay(lm.executor, calls, per_call, config.steering)
-                with lm.steered(config.steering, config.record), _swapped_executor(lm, replay):
-                    results[config.id] = evaluate(lm, args, sweep.plan, str(output)).results
-                if replay.missed:
-                    echo(f"sweep: {config.id}: lm-eval sent {replay.missed} requests the baseline did not; computed them apart")
+            lm_eval_per_config(lm, args, sweep, calls, answers, results, output, echo, failed)
+        # 4. the unsteered model's log-likelihood of every configuration's generations (their fluency)
+        texts = _texts(sweep, configs, answers, gens, calls)
+        scores = fluency.baseline_scores(lm.executor, lambda p, t: _encode_target(lm, p, t), [x for ts in texts for x in ts])
         info = lm.executor.info()
     finally:
         lm.executor.close()
-    return _outcome(sweep, configs, results, answers, targets, gens, calls, info, time.monotonic() - start)
+    return _outcome(sweep, results, answers, targets, gens, calls, (texts, scores, failed), info, time.monotonic() - start)
 
 
-def _outcome(sweep, configs, results, answers, targets, gens, calls, info, seconds) -> Outcome:
+def _texts(sweep, configs, answers, gens, calls) -> list[list[tuple[str, str]]]:
+    """[configuration][generation] (prompt, generated text) of the prompt sets."""
+    skip = sum(len(r) for k, r in calls if k == "generate")
+    return [[(sweep.prompt_sets[s][1][i].text, answers["generate"][c][skip + j]) for j, (s, i) in enumerate(gens)]
+            for c in range(len(configs))]  # fmt: skip
+
+
+def _outcome(sweep, results, answers, targets, gens, calls, generated, info, seconds) -> Outcome:
+    texts, scores, failed = generated
     rows, generations, better = [], [], {}
     n_task_ll = sum(len(r) for k, r in calls if k == "loglikelihood")
-    n_task_gen = sum(len(r) for k, r in calls if k == "generate")
-    for c, config in enumerate(configs):
-        if config.id in results:
-            found, hib = _lm_eval_rows(results[config.id])
+    for c, config in enumerate(sweep.configs):
+        if sweep.plan is not None:
+            why = (lm_eval_failure(answers["loglikelihood"][c][:n_task_ll]) if n_task_ll else None) or failed.get(c)
+            found, hib = lm_eval_rows(results.get(config.id, results[BASELINE]), why)  # failed: the baseline's metrics
             better.update(hib)
-            rows += [{**config.fields, "task": t, "metric": m, "value": v, "stderr": s, "n": n} for t, m, v, s, n in found]
+            rows += [{**config.fields, "task": t, "metric": m, "value": v, "stderr": s, "n": n, "error": e} for t, m, v, s, n, e in found]
         for name, (ps, prompts) in sweep.prompt_sets.items():
-            logprobs = {
-                (i, t): float(answers["loglikelihood"][c][n_task_ll + j][0]) for j, (s, i, t) in enumerate(targets) if s == name
-            }
-            for metric, value, stderr, n in _prompt_rows(name, prompts, logprobs):
-                rows.append({**config.fields, "task": name, "metric": metric, "value": value, "stderr": stderr, "n": n})
-                better[(name, metric)] = _PROMPT_HIGHER.get(metric, True)
-            for j, (s, i) in enumerate(gens):
-                if s == name:
-                    text = answers["generate"][c][n_task_gen + j]
-                    generations.append({**config.fields, "prompt_set": name, "index": i, "line": prompts[i].line,
-                                        "prompt": prompts[i].text, "text": text})  # fmt: skip
-    baseline = {(r["task"], r["metric"]): r["value"] for r in rows if r["config"] == BASELINE}
-    for r in rows:
-        b = baseline.get((r["task"], r["metric"]))
-        r["delta"] = None if b is None else r["value"] - b
+            logprobs = {(i, t): target_score(float(answers["loglikelihood"][c][n_task_ll + j][0]), k, ps.target_score or "sum")
+                        for j, (s, i, t, k) in enumerate(targets) if s == name}  # fmt: skip
+            mine = [j for j, (s, _) in enumerate(gens) if s == name]
+            found = prompt_rows(prompts, logprobs, ps.file) + (fluency.rows([texts[c][j] for j in mine], scores, failed.get(c)) if mine else [])
+            for metric, value, stderr, n, error in found:
+                rows.append({**config.fields, "task": name, "metric": metric, "value": value, "stderr": stderr, "n": n, "error": error})
+                better[(name, metric)] = {**PROMPT_HIGHER, **fluency.METRICS}.get(metric, True)
+            for j in mine:
+                i = gens[j][1]
+                generations.append({**config.fields, "prompt_set": name, "index": i, "line": prompts[i].line,
+                                    "prompt": prompts[i].text, "text": texts[c][j][1],
+                                    "fluency_logprob": scores.get(texts[c][j]),
+                                    "repetition_rate": fluency.repetition_rate(texts[c][j][1]), "error": failed.get(c)})  # fmt: skip
+    add_deltas(rows)
+    fluency.mark(rows, generations)
     lm_eval_results = {k: {key: v for key, v in r.items() if key != "samples"} for k, r in results.items()}
     return Outcome(sweep, rows, generations, lm_eval_results, info, seconds, better)

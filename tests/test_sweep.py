@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from driver import report
+from driver import outdir, report
 from driver.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ PROMPTS = [
     ("At night the cat was", " happy", " sad"),
 ]
 TASK_METRICS = 5  # orchard_mc acc; orchard_ppl word_perplexity, byte_perplexity, bits_per_byte; orchard_gen exact_match
-PROMPT_METRICS = 4  # logprob_positive, logprob_negative, logprob_diff, p_positive
+PROMPT_METRICS = 6  # logprob_positive, logprob_negative, logprob_diff, p_positive; fluency_logprob, repetition_rate
 
 
 def write_study(folder: Path, llama_path, tasks_dir, *, tasks: bool = True, alphas=(-2.0, 2.0), max_gen_toks: int = 6,
@@ -108,7 +109,8 @@ def test_outputs_have_one_row_per_configuration_and_metric_and_valid_plots(runs,
     diff = {(r["layer"], r["alpha"]): r["value"] for r in rows if r["metric"] == "logprob_diff"}
     assert len(set(diff.values())) == len(diff)  # every configuration changed the behaviour score
     assert any(r["stderr"] is not None for r in rows if r["task"] == "orchard_mc")
-    assert all(r["n"] == 4 for r in rows)
+    assert all(r["n"] == 4 for r in rows if r["metric"] not in ("fluency_logprob", "repetition_rate"))  # those: non-empty texts
+    assert all(r["error"] is None and r["fluent"] in (True, False) for r in rows)
     plots = sorted((folder / "plots").glob("*.png"))
     assert len(plots) == 2 * (TASK_METRICS + PROMPT_METRICS)
     heat = tuple(int(x * report.DPI) for x in reversed(report.heatmap_size(2, 3)))  # alphas -2, 0 (baseline), 2
@@ -163,6 +165,11 @@ def assert_same_results(a: Path, b: Path) -> None:
                 assert x[column] == y[column], (column, x, y)
 
 
+def fluency_requests(folder: Path) -> set[tuple[str, str]]:
+    """The (prompt, text) pairs a sweep scores under the unsteered model: its distinct non-empty generations."""
+    return {(g["prompt"], g["text"]) for g in map(json.loads, open(folder / "generations.jsonl")) if g["text"]}
+
+
 def _rows(cache: Path) -> int:
     try:
         with sqlite3.connect(cache / "results.sqlite") as db:
@@ -198,12 +205,14 @@ def test_an_interrupted_sweep_resumes_and_a_grown_grid_computes_only_new_cells(r
     code, output = sweep_cli(sweep, "--workers", "2", "--output", out)
     assert code == 0, output
     facts = json.loads((out / "run.json").read_text())
-    assert facts["requests_computed"] == total - finished  # nothing finished is computed again
+    scored = fluency_requests(out)  # + the baseline's log-likelihood of each distinct generation
+    assert facts["requests_computed"] == total + len(scored) - finished  # nothing finished is computed again
     assert facts["requests_cached"] == finished
     fresh = tmp_path / "fresh"
     code, output = sweep_cli(sweep, "--workers", "2", "--output", fresh)
     assert code == 0, output
-    assert json.loads((fresh / "run.json").read_text())["requests_computed"] == total
+    assert json.loads((fresh / "run.json").read_text())["requests_computed"] == total + len(scored)
+    assert fluency_requests(fresh) == scored
     assert_same_results(out / "results.csv", fresh / "results.csv")
     assert (out / "generations.jsonl").read_text() == (fresh / "generations.jsonl").read_text()
     # a grown grid (another alpha) on the same cache: only its 2 new configurations are computed
@@ -212,7 +221,8 @@ def test_an_interrupted_sweep_resumes_and_a_grown_grid_computes_only_new_cells(r
     code, output = sweep_cli(grown, "--workers", "2", "--output", fresh)
     assert code == 0, output
     facts = json.loads((fresh / "run.json").read_text())
-    assert (facts["requests_computed"], facts["requests_cached"]) == (2 * 3 * len(PROMPTS), total)
+    new_texts = fluency_requests(fresh) - scored
+    assert (facts["requests_computed"], facts["requests_cached"]) == (2 * 3 * len(PROMPTS) + len(new_texts), total + len(scored))
     old = {(r["config"], r["metric"]): r["value"] for r in report.read_csv(out / "results.csv")}
     new = report.read_csv(fresh / "results.csv")
     assert len(new) == (1 + 2 * (len(alphas) + 1)) * PROMPT_METRICS
@@ -229,11 +239,13 @@ def test_an_interrupted_sweep_resumes_and_a_grown_grid_computes_only_new_cells(r
     [
         (("grid:", "grid:\n  alpha: [1]"), "grid.alpha: unknown field (did you mean 'alphas'?"),
         (("alphas: [-2.0, 2.0]", "alphas: [0]"), "grid: empty"),
+        (("alphas: [-2.0, 2.0]", "alphas: [2.0, 1.0e+39]"), "grid.alphas: 1e+39 (vector v, layer 0, resid_post, add): alpha"),
         (("layers: all", "layers: [0, 5]"), "grid.layers: 5 is out of range for a model with 2 layers"),
         (("file: v.safetensors", "file: missing.safetensors"), "vectors.v.file"),
         (("names: [orchard_mc,", "names: [no_such_task,"), "tasks.names: unknown task 'no_such_task'"),
         ("prompts", "prompts.jsonl: line 2: not valid JSON"),
         (("max_gen_toks: 6", "max_gen_toks: 64"), "prompts[0].max_gen_toks: 64 must be less than the context window (64)"),
+        (("max_gen_toks: 6", "max_gen_toks: 6, target_score: avg"), "prompts[0].target_score: 'avg' is not allowed (use 'sum' or 'mean')"),
     ],
 )
 def test_bad_sweep_files_are_refused_in_one_line_before_any_worker(llama_path, tasks_dir, tmp_path, change, message):
@@ -257,3 +269,215 @@ def test_bad_sweep_files_are_refused_in_one_line_before_any_worker(llama_path, t
 def test_sweep_help():
     result = CliRunner().invoke(main, ["sweep", "--help"])
     assert result.exit_code == 0 and "SWEEP_FILE" in result.output and "--workers" in result.output
+
+
+# --- numbers checked against the in-process model (issue 15: wrong numbers passed every other test) -------------
+
+
+def label(r: dict) -> str:
+    return f"{r['vector']} L{r['layer']} {r['site']} {r['op']} α={r['alpha']:g} ({r['positions']})"
+
+
+def test_scores_deltas_and_p_positive_equal_the_in_process_models(runs, study):
+    """Every configuration's target scores, logprob_diff, p_positive and their deltas, recomputed from the
+    in-process `mlx` model's log-probs of each (prompt, target) under that configuration's steering."""
+    from lm_eval.api.instance import Instance
+
+    from driver.lm import MLXLM
+    from driver.sweep import load_sweep
+
+    sweep = load_sweep(study)
+    found = {(r["config"], r["metric"]): r for r in report.read_csv(runs[1] / "results.csv") if r["task"] == "prompts"}
+    lm = MLXLM(**{k: v for k, v in sweep.model_args.items() if k != "threads"})
+    requests = [Instance("loglikelihood", {}, (p, t), 0) for p, a, b in PROMPTS for t in (a, b)]
+    expected = {}
+    for config in sweep.configs:
+        with lm.steered(config.steering):
+            scores = np.array([ll for ll, _ in lm.loglikelihood(requests, disable_tqdm=True)])
+        pos, neg = scores[0::2], scores[1::2]
+        expected[config.id] = {"logprob_positive": pos.mean(), "logprob_negative": neg.mean(),
+                               "logprob_diff": (pos - neg).mean(), "p_positive": (1 / (1 + np.exp(neg - pos))).mean()}  # fmt: skip
+    for config in sweep.configs:
+        for metric, want in expected[config.id].items():
+            row = found[(config.id, metric)]
+            assert row["value"] == pytest.approx(want, abs=1e-4), (config.id, metric)
+            assert row["delta"] == pytest.approx(want - expected["baseline"][metric], abs=1e-4), (config.id, metric)
+    assert len({round(e["p_positive"], 3) for e in expected.values()}) > 1  # the check can tell configurations apart
+
+
+def test_fluency_is_the_unsteered_models_per_token_score_of_each_text_and_decides_fluent(runs, study):
+    from lm_eval.api.instance import Instance
+
+    from driver import fluency
+    from driver.lm import MLXLM
+    from driver.sweep import load_sweep
+
+    gens = [json.loads(line) for line in open(runs[1] / "generations.jsonl")]
+    said = [g for g in gens if g["text"]]
+    lm = MLXLM(**{k: v for k, v in load_sweep(study).model_args.items() if k != "threads"})
+    scores = lm.loglikelihood([Instance("loglikelihood", {}, (g["prompt"], g["text"]), 0) for g in said], disable_tqdm=True)
+    for g, (logprob, _) in zip(said, scores):
+        n = len(lm._encode_pair(g["prompt"], g["text"])[1])
+        assert g["fluency_logprob"] == pytest.approx(logprob / n, abs=1e-4), g
+    assert fluency.repetition_rate("of of of of of") == pytest.approx(2 / 3)  # 3 trigrams, 1 distinct
+    assert fluency.repetition_rate("the cat sat on the mat") == 0.0
+    rows = report.read_csv(runs[1] / "results.csv")
+    value = {(r["config"], r["metric"]): r["value"] for r in rows if r["task"] == "prompts"}
+    for config in {r["config"] for r in rows} - {"baseline"}:
+        mine = [g for g in gens if g["config"] == config]
+        texts = [g for g in mine if g["text"]]
+        assert value[(config, "fluency_logprob")] == pytest.approx(np.mean([g["fluency_logprob"] for g in texts]), abs=1e-6)
+        assert value[(config, "repetition_rate")] == pytest.approx(np.mean([fluency.repetition_rate(g["text"]) for g in texts]))
+        empty = lambda c: np.mean([not g["text"] for g in gens if g["config"] == c])  # noqa: E731
+        fluent = (value[(config, "fluency_logprob")] >= value[("baseline", "fluency_logprob")] - fluency.LOGPROB_MARGIN
+                  and value[(config, "repetition_rate")] <= value[("baseline", "repetition_rate")] + fluency.REPETITION_MARGIN
+                  and empty(config) <= empty("baseline") + fluency.EMPTY_MARGIN)  # fmt: skip
+        assert {r["fluent"] for r in rows if r["config"] == config} == {fluent}, config
+
+
+def test_best_is_the_best_value_among_fluent_configurations(runs):
+    rows = report.read_csv(runs[1] / "results.csv")
+    text = (runs[1] / "summary.md").read_text()
+    summary = text[text.index("## Per metric") :].splitlines()
+    for metric, pick in (("logprob_diff", max), ("logprob_negative", min), ("p_positive", max)):
+        grid = [r for r in rows if r["task"] == "prompts" and r["metric"] == metric and r["config"] != "baseline"]
+        want = pick((r for r in grid if r["fluent"] is not False), key=lambda r: r["value"], default=None)
+        line = next(x for x in summary if x.startswith(f"| prompts | {metric} |"))
+        assert line.split(" | ")[3].startswith(label(want) if want else "–"), (line, want)
+    # the rule itself, on rows where each choice gives a different answer
+    rows = [{"config": c, "value": v, "delta": v, "fluent": f} for c, v, f in (("a", 1.0, True), ("b", 3.0, False), ("c", 2.0, True))]
+    assert report.extremes(rows, True)[0]["config"] == "c"  # b is higher but not fluent
+    assert report.extremes(rows, False)[0]["config"] == "a"
+    assert report.extremes(rows, None)[1]["config"] == "b"  # the largest change is any configuration's
+
+
+def strict_json(text: str):
+    def refuse(name: str):
+        raise AssertionError(f"bare {name} in JSON output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_an_extreme_alpha_is_a_failed_cell_and_every_output_stays_valid(ray_cluster, llama_path, tasks_dir, tmp_path):
+    """replace with alpha 3e38 (finite in float32, but the residual stream overflows): its configurations fail, with
+    the reason, never as acc 0; the JSON outputs
+    stay strict JSON; a previous sweep's outputs in the folder are replaced, the cache and other files kept."""
+    sweep = write_study(tmp_path / "study", llama_path, tasks_dir, alphas=(2.0, 3.0e38), extra="")
+    sweep.write_text(sweep.read_text().replace("3e+38", "3.0e+38").replace("  alphas:", "  ops: [replace]\n  alphas:"))
+    out = tmp_path / "out"
+    for stale in ("plots/heatmap-gone-acc.png", "lm-eval/gone.json", "results.csv", "summary.md"):
+        (out / stale).parent.mkdir(parents=True, exist_ok=True)
+        (out / stale).write_text("an earlier sweep's")
+    (out / "notes.txt").write_text("mine")
+    code, output = sweep_cli(sweep, "--workers", "1", "--output", out)
+    assert code == 0, output
+    assert "warning: 2 configuration(s) failed with a non-finite score" in output
+    assert "removed 2 output file(s) of an earlier sweep" in output
+    assert not (out / "plots/heatmap-gone-acc.png").exists() and not (out / "lm-eval/gone.json").exists()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "cache" / "results.sqlite").exists()
+    rows = [strict_json(line) for line in open(out / "results.jsonl")]
+    assert rows == report.read_csv(out / "results.csv")
+    for r in rows:
+        if r["alpha"] == 3.0e38 and r["metric"] not in ("repetition_rate",):
+            assert r["value"] is None and r["delta"] is None and r["error"], r  # never acc 0
+        elif r["alpha"] != 3.0e38:
+            assert r["error"] is None and r["value"] is not None, r
+    reasons = {r["error"] for r in rows if r["error"]}
+    assert any(x.startswith("non-finite log-likelihood: target 'positive' of prompts.jsonl line 1") for x in reasons), reasons
+    assert any(re.fullmatch(r"non-finite log-likelihood in (\d+) of \1 lm-eval requests", x) for x in reasons), reasons
+    facts = strict_json((out / "run.json").read_text())
+    assert sorted(facts["failed"]) == sorted(r["config"] for r in rows if r["alpha"] == 3.0e38 and r["metric"] == "acc")
+    for path in (out / "lm-eval").glob("*.json"):
+        strict_json(path.read_text())
+    gens = [strict_json(line) for line in open(out / "generations.jsonl")]
+    failed = [g for g in gens if g["alpha"] == 3.0e38]
+    assert failed and all(g["fluent"] is False and g["empty"] == (g["text"] == "") for g in failed)
+    summary = (out / "summary.md").read_text()
+    assert "## Failed configurations" in summary and "v L0 resid_post replace α=3e+38 (all)" in summary
+
+
+def test_a_configuration_that_fails_only_while_generating_is_set_aside(ray_cluster, llama_path, tasks_dir, tmp_path):
+    """No targets, no tasks: the worker's refusal to generate from NaN scores is found per configuration."""
+    from driver.sweep_grid import FAILED_GENERATING
+
+    prompts = "".join(json.dumps({"prompt": p}) + "\n" for p, _, _ in PROMPTS)
+    sweep = write_study(tmp_path / "study", llama_path, tasks_dir, tasks=False, alphas=(2.0, 3.0e38), prompts=prompts)
+    sweep.write_text(sweep.read_text().replace("3e+38", "3.0e+38").replace("  alphas:", "  ops: [replace]\n  alphas:"))
+    code, output = sweep_cli(sweep, "--workers", "1", "--output", tmp_path / "out")
+    assert code == 0, output
+    gens = [strict_json(line) for line in open(tmp_path / "out" / "generations.jsonl")]
+    assert {g["alpha"] for g in gens if g["error"] == FAILED_GENERATING} == {3.0e38}
+    assert all(g["text"] == "" and g["fluent"] is False for g in gens if g["error"])
+    assert all(g["text"] for g in gens if g["alpha"] == 2.0)  # the others generated
+    facts = strict_json((tmp_path / "out" / "run.json").read_text())
+    assert len(facts["failed"]) == 2 and all(FAILED_GENERATING in why for why in facts["failed"].values())
+
+
+def test_unequal_targets_and_long_prompts_are_said_once_and_mean_divides_by_tokens(ray_cluster, llama_path, tasks_dir, tmp_path):
+    from driver.lm import MLXLM
+
+    long = "Once upon a time " * 20 + "the dog was"
+    prompts = "".join(json.dumps({"prompt": p, "targets": {"positive": " happy", "negative": " very very sad"}}) + "\n"
+                      for p in ("The little dog was", long))  # fmt: skip
+    sweep = write_study(tmp_path / "study", llama_path, tasks_dir, tasks=False, alphas=(2.0,), prompts=prompts)
+    code, output = sweep_cli(sweep, "--workers", "1", "--output", tmp_path / "sum", "--cache", tmp_path / "cache")
+    assert code == 0, output
+    lines = output.splitlines()
+    assert sum("targets of unequal token length" in x for x in lines) == 1, output
+    assert sum("left-truncated" in x for x in lines) == 1 and "2 target requests and 1 generation prompts" in output, output
+    mean = sweep.parent / "mean.yaml"
+    mean.write_text(sweep.read_text().replace("max_gen_toks: 6}", "max_gen_toks: 6, target_score: mean}"))
+    code, output = sweep_cli(mean, "--workers", "1", "--output", tmp_path / "mean", "--cache", tmp_path / "cache")
+    assert code == 0, output
+    assert "unequal token length" not in output
+    lm = MLXLM(pretrained=str(llama_path), max_length=64)
+    tokens = {t: len(lm._encode_pair("The little dog was", t)[1]) for t in (" happy", " very very sad")}
+    assert tokens[" happy"] != tokens[" very very sad"]
+    summed, per_token = ({(r["config"], r["metric"]): r["value"] for r in report.read_csv(tmp_path / d / "results.csv")} for d in ("sum", "mean"))
+    for (config, metric), value in summed.items():
+        n = {"logprob_positive": tokens[" happy"], "logprob_negative": tokens[" very very sad"]}.get(metric)
+        if n is not None:
+            assert per_token[(config, metric)] == pytest.approx(value / n, rel=1e-5), (config, metric)
+
+
+# --- one writer per output folder; tasks looked up fast -----------------------------------------------------------
+
+
+def test_a_second_sweep_into_a_busy_folder_is_refused_and_a_dead_holder_does_not_block(study, tmp_path, monkeypatch):
+    import driver.sweep
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the sweep file was loaded (lm-eval's task index, the model's config) before the refusal")
+
+    monkeypatch.setattr(driver.sweep, "load_sweep", no_work)
+    busy = tmp_path / "busy"
+    held = outdir.lock(busy)
+    try:
+        code, output = sweep_cli(study, "--workers", "1", "--address", "127.0.0.1:1", "--output", busy)
+    finally:
+        outdir.unlock(held)
+    errors = [x for x in output.splitlines() if x.startswith("Error:")]
+    assert code == 1 and len(errors) == 1 and "another sweep is writing to this folder" in errors[0], output
+    assert [p.name for p in busy.iterdir()] == [outdir.LOCK_NAME]  # nothing written
+    holder = subprocess.run(  # a sweep killed while it held the lock
+        [sys.executable, "-c", f"import os, signal; from driver import outdir; outdir.lock({str(busy)!r}); os.kill(os.getpid(), signal.SIGKILL)"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert holder.returncode == -signal.SIGKILL
+    outdir.unlock(outdir.lock(busy))  # its lock died with it
+
+
+def test_an_unknown_task_is_refused_before_lm_eval_indexes_its_tasks(llama_path, tasks_dir, tmp_path, monkeypatch):
+    import lm_eval.tasks
+
+    from driver import sweep as sweep_module
+
+    def no_index(*args, **kwargs):
+        raise AssertionError("lm-eval's task index was built")
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", no_index)
+    monkeypatch.setattr(sweep_module, "_MANAGERS", {})
+    path = write_study(tmp_path, llama_path, tasks_dir)
+    path.write_text(path.read_text().replace("names: [orchard_mc,", "names: [orchard_mcq,"))
+    with pytest.raises(sweep_module.SweepError, match="tasks.names: unknown task 'orchard_mcq'"):
+        sweep_module.load_sweep(path)

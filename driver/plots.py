@@ -1,0 +1,277 @@
+"""A sweep's plots: a layers × alphas heatmap of the change from the baseline and the metric against alpha, one
+panel per (vector, site, op, positions); a failed cell (non-finite score) reads "failed", a configuration whose
+generations are not fluent is hatched (heatmap) or crossed (lines). Each function returns the PNG's bytes."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+
+DPI = 100
+BASELINE = "baseline"
+
+_UNITS = {
+    "logprob_diff": "nats",
+    "p_positive": "probability",
+    "acc": "fraction correct",
+    "acc_norm": "fraction correct",
+    "exact_match": "fraction",
+    "word_perplexity": "perplexity",
+    "byte_perplexity": "perplexity",
+    "bits_per_byte": "bits/byte",
+}
+
+
+def unit(metric: str) -> str:
+    base = metric.split(",")[0]
+    if base.startswith("logprob_"):
+        return "nats"
+    return _UNITS.get(base, "")
+
+
+def _with_unit(text: str, metric: str) -> str:
+    u = unit(metric)
+    return f"{text} ({u})" if u else text
+
+
+
+# --- shaping the rows for plots -------------------------------------------------------------------------------
+
+
+def by_metric(rows: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Rows grouped by (task, metric), in first-seen order."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        out.setdefault((r["task"], r["metric"]), []).append(r)
+    return out
+
+
+def facets(rows: Sequence[dict]) -> dict[tuple, list[dict]]:
+    """Non-baseline rows of one metric grouped by (vector, site, op, positions): one heatmap panel each."""
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["config"] != BASELINE:
+            out.setdefault((r["vector"], r["site"], r["op"], r["positions"]), []).append(r)
+    return out
+
+
+def panel_axes(rows: Sequence[dict]) -> tuple[list[int], list[float | None]]:
+    """(layers, alphas) of one panel; add/replace panels get alpha 0, the baseline column."""
+    layers = sorted({r["layer"] for r in rows})
+    op = rows[0]["op"]
+    if op == "ablate":
+        return layers, [None]
+    alphas = {float(r["alpha"]) for r in rows}
+    if op in ("add", "replace"):
+        alphas.add(0.0)
+    return layers, sorted(alphas)
+
+
+def _quarter(x: float) -> float:
+    return math.ceil(x * 4) / 4  # whole pixels at DPI 100
+
+
+MAX_COLUMNS = 3  # panels per row of a figure
+
+
+def _panel_grid(n: int) -> tuple[int, int]:
+    cols = min(MAX_COLUMNS, max(1, n))
+    return cols, math.ceil(max(1, n) / cols)
+
+
+def heatmap_size(n_layers: int, n_alphas: Sequence[int] | int) -> tuple[float, float]:
+    """The heatmap figure's size in inches (pixels: × DPI) for panels of `n_alphas` columns each and at most
+    `n_layers` rows, laid out MAX_COLUMNS panels to a row."""
+    alphas = [n_alphas] if isinstance(n_alphas, int) else list(n_alphas)
+    cols, rows = _panel_grid(len(alphas))
+    panel = max(max(3.5, 1.25 + 0.8 * n) for n in alphas)
+    return _quarter(cols * panel + 1.5), _quarter(rows * max(3.0, 1.75 + 0.5 * n_layers) + 0.5)
+
+
+def lines_size(n_facets: int) -> tuple[float, float]:
+    """The line plot's size in inches: 5.75 × 4.5 per panel, MAX_COLUMNS panels to a row."""
+    cols, rows = _panel_grid(n_facets)
+    return _quarter(5.75 * cols + 0.5), _quarter(4.5 * rows)
+
+
+def _fmt(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if v == 0:
+        return "0"
+    a = abs(v)
+    return f"{v:+.2f}" if 0.01 <= a < 100 else f"{v:+.2g}"
+
+
+def _alpha_label(a: float | None) -> str:
+    return "ablate" if a is None else f"{a:g}"
+
+
+def _title(task: str, metric: str, baseline: dict | None) -> str:
+    base = ""
+    if baseline is not None and baseline["value"] is None:
+        base = "  (baseline failed)"
+    elif baseline is not None:
+        err = f" ± {baseline['stderr']:.3g}" if baseline.get("stderr") is not None else ""
+        base = f"  (baseline {baseline['value']:.4g}{err})"
+    return f"{task} · {metric}{base}"
+
+
+def _facet_title(key: tuple) -> str:
+    vector, site, op, positions = key
+    return f"vector {vector} at {site}\n{op}, positions {positions}"
+
+
+def heatmap(task: str, metric: str, rows: Sequence[dict]) -> bytes:
+    """Layers × alphas of the change from the baseline, one panel per (vector, site, op, positions); failed cells
+    read "failed", cells of configurations whose generations are not fluent are hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    baseline = next((r for r in rows if r["config"] == BASELINE), None)
+    panels = facets(rows)
+    shapes = [panel_axes(p) for p in panels.values()]
+    n_layers = max(len(layers) for layers, _ in shapes)
+    matrices = []
+    for (layers, alphas), prows in zip(shapes, panels.values()):
+        m = np.full((len(layers), len(alphas)), np.nan)
+        for r in prows:
+            a = None if r["op"] == "ablate" else float(r["alpha"])
+            m[layers.index(r["layer"]), alphas.index(a)] = r["delta"] if r["delta"] is not None else np.nan
+        if prows[0]["op"] in ("add", "replace") and baseline is not None and baseline["value"] is not None:
+            m[:, alphas.index(0.0)] = 0.0  # for add and replace, alpha 0 is the baseline
+        matrices.append(m)
+    finite = [abs(x) for m in matrices for x in m.ravel() if np.isfinite(x)]
+    bound = max(finite + [0.0]) or 1e-12
+    norm = TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound)
+    cmap = plt.get_cmap("RdBu_r")
+    cols, nrows = _panel_grid(len(panels))
+    fig = plt.figure(figsize=heatmap_size(n_layers, [len(a) for _, a in shapes]), dpi=DPI, layout="constrained")
+    grid = fig.subplots(nrows, cols, squeeze=False)
+    axes = list(grid.ravel())
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    image = None
+    for ax, key, (layers, alphas), m in zip(axes, panels, shapes, matrices):
+        image = ax.imshow(np.ma.masked_invalid(m), cmap=cmap, norm=norm, aspect="auto", origin="lower")
+        ax.set_xticks(range(len(alphas)), [_alpha_label(a) for a in alphas])
+        ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+        ax.set_xlabel(_alpha_axis(key[2]))
+        ax.set_ylabel("layer")
+        ax.set_title(_facet_title(key), fontsize=9)
+        fontsize = 8 if len(alphas) <= 8 else 6
+        for (i, j), v in np.ndenumerate(m):
+            if np.isfinite(v):
+                dark = abs(norm(v) - 0.5) > 0.3
+                ax.text(j, i, _fmt(float(v)), ha="center", va="center", fontsize=fontsize, color="white" if dark else "black")
+        _mark_cells(ax, panels[key], layers, alphas, fontsize)
+    bar = fig.colorbar(image, ax=axes[: len(panels)], shrink=0.9)
+    bar.set_label(_with_unit(f"Δ {metric} vs baseline", metric))
+    marked = "\nhatched: generations not fluent (see summary.md)" if any(r.get("fluent") is False for r in rows) else ""
+    fig.suptitle(f"Change from baseline: {_title(task, metric, baseline)}{marked}", fontsize=10)
+    return _png(fig)
+
+
+def _alpha_axis(op: str) -> str:
+    return {
+        "add": "alpha (steering strength; 0 = baseline)",
+        "replace": "alpha (interpolation toward v; 0 = baseline)",
+        "clamp": "alpha (projection on v clamped to)",
+        "ablate": "directional ablation (no alpha)",
+    }[op]
+
+
+def lines(task: str, metric: str, rows: Sequence[dict]) -> bytes:
+    """The metric against alpha, one line per layer (per panel), the baseline dashed, ±stderr as a band; points of
+    configurations whose generations are not fluent crossed out."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    baseline = next((r for r in rows if r["config"] == BASELINE), None)
+    panels = facets(rows)
+    fig = plt.figure(figsize=lines_size(len(panels)), dpi=DPI, layout="constrained")
+    cols, nrows = _panel_grid(len(panels))
+    axes = list(fig.subplots(nrows, cols, squeeze=False).ravel())
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (key, prows) in zip(axes, panels.items()):
+        layers, alphas = panel_axes(prows)
+        colours = plt.get_cmap("viridis")([i / max(1, len(layers) - 1) * 0.9 for i in range(len(layers))])
+        if key[2] == "ablate":  # no alpha: the metric against the ablated layer
+            pts = sorted(prows, key=lambda r: r["layer"])
+            ax.plot([r["layer"] for r in pts], [_y(r) for r in pts], "o-", label="ablated")
+            _cross_out(ax, [(r["layer"], r) for r in pts])
+            ax.set_xlabel("layer (direction ablated)")
+            ax.set_xticks(layers)
+        else:
+            for colour, layer in zip(colours, layers):
+                pts = {float(r["alpha"]): r for r in prows if r["layer"] == layer}
+                if baseline is not None and key[2] in ("add", "replace"):
+                    pts.setdefault(0.0, baseline)
+                xs = sorted(pts)
+                ys = [_y(pts[x]) for x in xs]
+                ax.plot(xs, ys, "o-", color=colour, label=f"layer {layer}", markersize=4)
+                _cross_out(ax, [(x, pts[x]) for x in xs])
+                errs = [pts[x].get("stderr") for x in xs]
+                if all(e is not None for e in errs):
+                    ax.fill_between(xs, [y - e for y, e in zip(ys, errs)], [y + e for y, e in zip(ys, errs)], color=colour, alpha=0.12)
+            ax.set_xlabel(_alpha_axis(key[2]).replace("; 0 = baseline", ""))
+        if baseline is not None and baseline["value"] is not None:
+            ax.axhline(baseline["value"], color="grey", linestyle="--", linewidth=1, label="baseline")
+        ax.set_ylabel(_with_unit(metric, metric))
+        ax.set_title(_facet_title(key), fontsize=9)
+        ax.grid(alpha=0.3)
+        _legend(ax)
+    fig.suptitle(_title(task, metric, baseline), fontsize=10)
+    return _png(fig)
+
+
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _cell(r: dict, layers: list, alphas: list) -> tuple[int, int]:
+    return layers.index(r["layer"]), alphas.index(None if r["op"] == "ablate" else float(r["alpha"]))
+
+
+def _mark_cells(ax, prows: Sequence[dict], layers: list, alphas: list, fontsize: int) -> None:
+    """"failed" on a cell with no value (a non-finite score); hatching on a configuration that is not fluent."""
+    from matplotlib.patches import Rectangle
+
+    for r in prows:
+        i, j = _cell(r, layers, alphas)
+        if r.get("error"):
+            ax.text(j, i, "failed", ha="center", va="center", fontsize=fontsize, color="black")
+        elif r.get("fluent") is False:
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx", edgecolor=(0, 0, 0, 0.3), linewidth=0))
+
+
+def _cross_out(ax, points: Sequence[tuple[float, dict]]) -> None:
+    """An x over each point whose configuration's generations are not fluent."""
+    bad = [(x, r["value"]) for x, r in points if r.get("fluent") is False and r["value"] is not None]
+    if bad:
+        ax.plot(*zip(*bad), "x", color="black", markersize=9, linestyle="none", label="_crossed")
+
+
+def _legend(ax) -> None:
+    if any(h.get_label() == "_crossed" for h in ax.get_lines()):
+        ax.plot([], [], "x", color="black", markersize=9, linestyle="none", label="not fluent")
+    ax.legend(fontsize=7)
+
+
+def _y(r: dict) -> float:
+    return math.nan if r["value"] is None else r["value"]

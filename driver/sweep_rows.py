@@ -1,0 +1,120 @@
+"""A sweep's tidy rows (one per configuration × metric) from its grid answers; a non-finite score is never a
+number: its row has no value and an `error` saying which request failed, and its configuration is reported failed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+BASELINE = "baseline"
+NON_FINITE = "non-finite log-likelihood"
+EMPTY = "every generation is empty"  # no value, but not a failure: the configuration is flagged not fluent
+PROMPT_HIGHER = {"logprob_negative": False}
+
+
+@dataclass
+class Outcome:
+    """What a sweep produced, for `driver.report`."""
+
+    sweep: Any  # driver.sweep.Sweep
+    rows: list[dict]  # tidy: one per configuration × metric
+    generations: list[dict]
+    lm_eval: dict[str, dict]  # configuration id -> lm-eval's results (without samples)
+    info: dict  # the executor's facts
+    seconds: float
+    higher_is_better: dict[tuple[str, str], bool | None]
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def sigmoid(d: float) -> float:
+    """1 / (1 + e^-d), without overflow for large |d|."""
+    if d >= 0:
+        return 1.0 / (1.0 + math.exp(-d))
+    e = math.exp(d)
+    return e / (1.0 + e)
+
+
+def mean_stderr(values: Sequence[float]) -> tuple[float, float | None]:
+    a = np.asarray(values, dtype=np.float64)
+    return float(a.mean()), (float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else None)
+
+
+def _metric(metric: str, values: list[float], bad: list[str]) -> tuple[str, float | None, float | None, int, str | None]:
+    """(metric, value, stderr, n, error): no value when any input was non-finite (`bad` names them)."""
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        return metric, None, None, len(values), f"{NON_FINITE}: {bad[0]}{more}"
+    value, stderr = mean_stderr(values)
+    return metric, value, stderr, len(values), None
+
+
+def prompt_rows(prompts: Sequence, logprobs: dict[tuple[int, str], float], where: str) -> list[tuple]:
+    """(metric, value, stderr, n, error) for one configuration on one prompt set; `logprobs[(i, target)]` are the
+    target scores (summed or per-token mean, as the prompt set asks)."""
+    rows = []
+    names = sorted({t for p in prompts for t in p.targets}, key=lambda t: (t not in ("positive", "negative"), t != "positive", t))
+
+    def bad(indices: list[int], targets: Sequence[str]) -> list[str]:
+        return [f"target {t!r} of {where} line {prompts[i].line}" for i in indices for t in targets if not finite(logprobs[(i, t)])]
+
+    for t in names:
+        have = [i for i, p in enumerate(prompts) if t in p.targets]
+        rows.append(_metric(f"logprob_{t}", [logprobs[(i, t)] for i in have], bad(have, [t])))
+    both = [i for i, p in enumerate(prompts) if "positive" in p.targets and "negative" in p.targets]
+    if both:
+        failed = bad(both, ["positive", "negative"])
+        diff = [logprobs[(i, "positive")] - logprobs[(i, "negative")] for i in both]
+        rows.append(_metric("logprob_diff", diff, failed))
+        # p(positive) / (p(positive) + p(negative))
+        rows.append(_metric("p_positive", [] if failed else [sigmoid(d) for d in diff], failed))
+    return rows
+
+
+def lm_eval_rows(results: dict, failed: str | None) -> tuple[list[tuple], dict]:
+    """(task, metric, value, stderr, n, error) from lm-eval's results, and {(task, metric): higher_is_better};
+    `failed`: why none of this configuration's lm-eval numbers can be trusted (a non-finite score), or None."""
+    rows, better = [], {}
+    n_samples = results.get("n-samples", {})
+    for task, metrics in results.get("results", {}).items():
+        for name, value in metrics.items():
+            if "," not in name or "_stderr," in name or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            metric, filt = name.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            stderr = float(stderr) if finite(stderr) else None
+            label = metric if filt == "none" else f"{metric},{filt}"
+            n = (n_samples.get(task) or {}).get("effective")
+            error = failed or (None if finite(value) else f"lm-eval reported a non-finite {metric}")
+            rows.append((task, label, None if error else float(value), None if error else stderr, n, error))
+            better[(task, label)] = (results.get("higher_is_better", {}).get(task) or {}).get(metric)
+    return rows, better
+
+
+def lm_eval_failure(answers: Sequence) -> str | None:
+    """Why a configuration's lm-eval metrics are not numbers: some of its log-likelihoods are non-finite."""
+    bad = sum(1 for a in answers if not finite(a[0]))
+    return f"{NON_FINITE} in {bad} of {len(answers)} lm-eval requests" if bad else None
+
+
+def add_deltas(rows: list[dict]) -> None:
+    """Each row's change from the baseline's value of the same (task, metric): value − baseline."""
+    baseline = {(r["task"], r["metric"]): r["value"] for r in rows if r["config"] == BASELINE}
+    for r in rows:
+        b = baseline.get((r["task"], r["metric"]))
+        r["delta"] = None if b is None or r["value"] is None else r["value"] - b
+
+
+def failures(rows: Sequence[dict]) -> dict[str, str]:
+    """{configuration: the first reason one of its rows failed (a non-finite score)}."""
+    out: dict[str, str] = {}
+    for r in rows:
+        if r.get("error") and r["error"] != EMPTY and r["config"] not in out:
+            out[r["config"]] = f"{r['task']} {r['metric']}: {r['error']}"
+    return out
