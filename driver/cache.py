@@ -11,6 +11,7 @@ import hashlib
 import json
 import sqlite3
 import struct
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -93,6 +94,9 @@ def grid_keys(ident: bytes, kind: str, steerings: Sequence[Steering], requests: 
 
 
 class Cache:
+    """One sqlite connection, usable from any thread one call at a time (a lock): the executor that holds it
+    may be closed by its finalizer on whichever thread collects it (sqlite's own check would refuse that)."""
+
     def __init__(self, directory: str | Path):
         from .preflight import cache_problem
 
@@ -101,7 +105,8 @@ class Cache:
         if problem:
             raise ValueError(problem)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path)
+        self.db = sqlite3.connect(self.path, check_same_thread=False)
+        self.lock = threading.Lock()
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("CREATE TABLE IF NOT EXISTS results (key BLOB PRIMARY KEY, value TEXT NOT NULL)")
         self.db.execute("CREATE TABLE IF NOT EXISTS models (identity BLOB PRIMARY KEY)")  # whose results are here
@@ -110,23 +115,27 @@ class Cache:
         found: dict[bytes, Any] = {}
         for i in range(0, len(keys), 500):
             part = keys[i : i + 500]
-            rows = self.db.execute(f"SELECT key, value FROM results WHERE key IN ({','.join('?' * len(part))})", part)
+            with self.lock:
+                rows = self.db.execute(f"SELECT key, value FROM results WHERE key IN ({','.join('?' * len(part))})", part).fetchall()
             found.update((k, json.loads(v)) for k, v in rows)
         return found
 
     def put(self, items: Iterable[tuple[bytes, Any]]) -> None:
         """Store and commit (durable once this returns)."""
-        with self.db:
-            self.db.executemany("INSERT OR IGNORE INTO results VALUES (?, ?)", ((k, json.dumps(v)) for k, v in items))
+        rows = [(k, json.dumps(v)) for k, v in items]
+        with self.lock, self.db:
+            self.db.executemany("INSERT OR IGNORE INTO results VALUES (?, ?)", rows)
 
     def remember(self, model: bytes) -> None:
         """Note that results of the model with this `identity` are stored here."""
-        with self.db:
+        with self.lock, self.db:
             self.db.execute("INSERT OR IGNORE INTO models VALUES (?)", (model,))
 
     def knows(self, model: bytes) -> bool:
         """Whether results of this model were stored here (a rerun or a resumed run is likely)."""
-        return self.db.execute("SELECT 1 FROM models WHERE identity = ?", (model,)).fetchone() is not None
+        with self.lock:
+            return self.db.execute("SELECT 1 FROM models WHERE identity = ?", (model,)).fetchone() is not None
 
     def close(self) -> None:
-        self.db.close()
+        with self.lock:
+            self.db.close()

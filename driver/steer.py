@@ -16,162 +16,37 @@ interventions:
 `load_steering` reads the spec and its vectors (never unpickling anything) and returns the `Steering` that
 travels to workers plus a JSON-able record of what was loaded (file hashes, norms, safetensors metadata) for
 the results JSON. `check` validates against a model's shape (`model_shape` reads it from config.json) and
-resolves negative layers. Every problem is a one-line `SteeringError` naming the file, the field and the fix.
+resolves negative layers; `for_model` does both for one model, so a negative layer's default safetensors key
+is that of the layer it resolves to, and values are checked in the dtype the model computes in. Every problem
+is a one-line `SteeringError` naming the file, the field and the fix. `warn_once` prints the notes workers
+attach to results (steering that swamps the residual stream) once per run. The file's schema and its
+validation errors in the user's words are `driver.steer_schema`.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError
-from pydantic import field_validator
 
 from worker.load import model_shape
-from worker.spec import OPS, POSITIONS, SITES, Intervention, Steering, SteeringError
+from worker.spec import FLOAT_MAX, Intervention, Steering, SteeringError, overflow, steering_overflow
 
-from .userfiles import explain, short
+from .steer_schema import InterventionSpec, SpecFile, VectorRef, _fail, _validate
+from .userfiles import load_yaml, yaml_problem
 
-__all__ = ["SteeringError", "SteeringRun", "SpecFile", "load_steering", "check", "model_shape"]
+__all__ = ["SteeringError", "SteeringRun", "SpecFile", "load_steering", "for_model", "check", "model_shape", "warn_once"]
 
 _PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin")
 _SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 _NO_DIRECTION_OPS = ("ablate", "clamp")  # they use v/|v|: a zero vector has no direction
-
-
-
-
-def _fail(where: str, field: str, problem: str) -> SteeringError:
-    text = f"{where}: {field}: {problem}" if field else f"{where}: {problem}"
-    return SteeringError(" ".join(text.split()))  # one line, whatever the parsers put in
-
-
-# --- the file's schema --------------------------------------------------------------------------
-
-
-def _fspath(v: Any) -> Any:
-    return os.fspath(v) if isinstance(v, os.PathLike) else v
-
-
-class VectorRef(BaseModel):
-    """`{file: vectors.safetensors, key: resid_post.3}`; without a key, `{site}.{layer}` of the intervention."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    file: str
-    key: str | None = None
-
-    @field_validator("file", mode="before")
-    @classmethod
-    def _path(cls, v: Any) -> Any:
-        return _fspath(v)
-
-
-def _vector_form(v: Any) -> str | None:
-    if isinstance(v, (str, os.PathLike)):
-        return "path"
-    return "ref" if isinstance(v, (Mapping, VectorRef)) else None
-
-
-VectorField = Annotated[
-    Union[Annotated[str, Tag("path")], Annotated[VectorRef, Tag("ref")]],
-    Discriminator(_vector_form, custom_error_type="vector_form", custom_error_message="bad vector"),
-]
-
-
-class InterventionSpec(BaseModel):
-    """One intervention as written; see `worker.spec.Intervention` for what each op does."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    layer: StrictInt
-    site: Literal["resid_pre", "resid_post"] = "resid_post"
-    op: Literal["add", "replace", "ablate", "clamp"] = "add"
-    vector: VectorField
-    alpha: float = Field(default=1.0, strict=True, allow_inf_nan=False)
-    positions: Literal["all", "prompt", "continuation", "last"] = "all"
-    normalize: StrictBool = False
-
-    @field_validator("vector", mode="before")
-    @classmethod
-    def _path(cls, v: Any) -> Any:
-        return _fspath(v)
-
-
-class SpecFile(BaseModel):
-    """The whole file: `interventions:` in order; an empty list means the plain model."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    interventions: tuple[InterventionSpec, ...]
-
-    @field_validator("interventions", mode="before")
-    @classmethod
-    def _none_is_empty(cls, v: Any) -> Any:
-        return () if v is None else v  # YAML `interventions:` with nothing under it
-
-
-_ALLOWED = {"site": SITES, "op": OPS, "positions": POSITIONS}
-
-
-# --- pydantic errors as one-liners ---------------------------------------------------------------
-
-
-def _field_path(loc: tuple) -> str:
-    out = ""
-    for i, part in enumerate(loc):
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not (i > 0 and loc[i - 1] == "vector" and part in ("path", "ref")):  # union tags
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _unknown_field(loc: tuple) -> str:
-    model = SpecFile if len(loc) == 1 else VectorRef if "vector" in loc else InterventionSpec
-    allowed = list(model.model_fields)
-    near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-    hint = f"did you mean '{near[0]}'? " if near else ""
-    return f"unknown field ({hint}allowed: {', '.join(allowed)})"
-
-
-def _explain(err: dict) -> str:
-    """One pydantic error as 'what is wrong (what to write instead)'."""
-    kind, loc, value = err["type"], err["loc"], err.get("input")
-    name = loc[-1] if loc else ""
-    if kind == "missing":
-        if loc == ("interventions",):
-            return "missing (write `interventions: []` for an unsteered run)"
-        return "missing (this field is required)"
-    if kind == "extra_forbidden":
-        return _unknown_field(loc)
-    if kind == "literal_error":
-        return f"{short(value)} is not allowed (use one of: {', '.join(_ALLOWED.get(name, ()))})"
-    if kind == "vector_form":
-        return f"must be a path to a .npy file or {{file: ..., key: ...}}, not {short(value)}"
-    return explain(err, list_of="a list of interventions")
-
-
-def _validate(data: Any, where: str) -> SpecFile:
-    if isinstance(data, SpecFile):
-        return data
-    if not isinstance(data, Mapping):
-        kind = "empty" if data is None else f"a {type(data).__name__}"
-        raise _fail(where, "", f"the spec is {kind}; it must be a mapping with an `interventions:` list")
-    try:
-        return SpecFile.model_validate(dict(data))
-    except ValidationError as e:
-        # a misspelt field also shows as the real one missing: name the misspelling, it carries the fix
-        errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
-        more = f" [and {len(errors) - 1} more problem(s)]" if len(errors) > 1 else ""
-        raise _fail(where, _field_path(errors[0]["loc"]), _explain(errors[0]) + more) from None
 
 
 # --- reading the spec file -----------------------------------------------------------------------
@@ -192,16 +67,13 @@ def _read_spec(path: Path) -> Any:
         raise _fail(where, "", f"cannot read the file ({type(e).__name__}: {e})") from None
     if path.suffix.lower() == ".json":
         try:
-            return json.loads(text)
+            json.loads(text)  # JSON's own message for malformed JSON; the YAML reader below finds twice-given keys
         except json.JSONDecodeError as e:
             raise _fail(where, "", f"malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise _fail(where, "", f"malformed YAML{at}: {problem}") from None
+        raise _fail(where, "", yaml_problem(e)) from None
 
 
 # --- reading vectors -----------------------------------------------------------------------------
@@ -253,17 +125,22 @@ def _natural(key: str) -> list:
     return [(0, int(p), "") if p.lstrip("-").isdigit() else (1, 0, p) for p in key.split(".")]
 
 
-def _default_key(iv: InterventionSpec, fail) -> str:
-    if iv.layer < 0:
+def _default_key(iv: InterventionSpec, n_layers: int | None, fail) -> str:
+    """`{site}.{layer}`, a negative layer first resolved against the model (as `driver vectors` keys its output)."""
+    if iv.layer >= 0:
+        return f"{iv.site}.{iv.layer}"
+    if n_layers is None:
         raise fail(
-            f"layer {iv.layer} counts from the end, so the safetensors key cannot be guessed; "
-            f"give `key:` (e.g. {iv.site}.N) or write the layer non-negative",
+            f"layer {iv.layer} counts from the end and the model's layer count is not known here, so the "
+            f"safetensors key cannot be guessed; give `key:` (e.g. {iv.site}.N) or write the layer non-negative",
             ".key",
         )
-    return f"{iv.site}.{iv.layer}"
+    return f"{iv.site}.{iv.layer + n_layers}"
 
 
-def _load_vector(iv: InterventionSpec, field: str, base: Path, where: str, memo: dict) -> tuple[np.ndarray, dict]:
+def _load_vector(
+    iv: InterventionSpec, field: str, base: Path, where: str, memo: dict, n_layers: int | None = None
+) -> tuple[np.ndarray, dict]:
     """The intervention's vector as float32, checked, and its record entry."""
 
     def fail(problem: str, sub: str = "") -> SteeringError:
@@ -286,7 +163,7 @@ def _load_vector(iv: InterventionSpec, field: str, base: Path, where: str, memo:
     if suffix == ".npy":
         array = _read_npy(path, fail)
     else:
-        key = ref.key if ref.key is not None else _default_key(iv, fail)
+        key = ref.key if ref.key is not None else _default_key(iv, n_layers, fail)
         array, metadata = _read_safetensors(path, key, fail)
     vector = _checked(array, iv, fail)
     record = {
@@ -294,7 +171,7 @@ def _load_vector(iv: InterventionSpec, field: str, base: Path, where: str, memo:
         "key": key,
         "file_sha256": _file_sha256(path, memo),
         "sha256": hashlib.sha256(vector.tobytes()).hexdigest(),
-        "norm": float(np.linalg.norm(vector)),
+        "norm": float(np.linalg.norm(vector.astype(np.float64))),
         "length": int(vector.size),
         "metadata": dict(metadata) if metadata else None,
     }
@@ -342,12 +219,37 @@ def _given_steering(steering: Steering) -> SteeringRun:
     return SteeringRun(steering, {"source": None, "source_sha256": None, "spec": spec, "vectors": vectors})
 
 
+def _in_range(iv: InterventionSpec, n_layers: int | None, fail) -> None:
+    if n_layers is not None and not -n_layers <= iv.layer < n_layers:
+        raise fail(
+            f"{iv.layer} is out of range for a model with {n_layers} layers "
+            f"(use 0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
+        )
+
+
+def _in_dtype(iv: InterventionSpec, vector: np.ndarray, dtype: str, fail) -> None:
+    """alpha, the vector, its norm and alpha*v are finite in `dtype`, as the worker computes them."""
+    for field, problem in ((".alpha", overflow("alpha", np.float64(iv.alpha), dtype)),
+                           (".vector", overflow("the vector", vector.astype(np.float64), dtype))):  # fmt: skip
+        if problem:
+            raise fail(field, f"{problem}, the precision the model computes in: use smaller values")
+    found = steering_overflow(iv.alpha, vector.astype(np.float64), iv.op, iv.normalize, dtype)
+    if found:
+        raise fail(f".{found[0]}", found[1])
+
+
 def load_steering(
-    source: str | os.PathLike | Mapping | SpecFile | Steering, base_dir: str | os.PathLike | None = None
+    source: str | os.PathLike | Mapping | SpecFile | Steering,
+    base_dir: str | os.PathLike | None = None,
+    *,
+    n_layers: int | None = None,
+    dtype: str = "float32",
 ) -> SteeringRun:
     """Read a steering spec: a .yaml/.yml/.json file, a dict, a `SpecFile`, or a ready `Steering`.
 
     Vector paths are relative to `base_dir`, by default the spec file's folder (the cwd for a dict).
+    `n_layers` (the model's) resolves a negative layer's default safetensors key; `dtype` is the precision
+    the model computes in, in which alpha, the vectors and alpha*v must be finite (`for_model` passes both).
     The record: {source, source_sha256, spec (as written), vectors: [{path, key, file_sha256, sha256 (of the
     float32 bytes), norm, length, metadata}, one per intervention]}.
     """
@@ -364,7 +266,9 @@ def load_steering(
     base = Path(base_dir).expanduser().absolute() if base_dir is not None else folder
     interventions, vectors = [], []
     for i, iv in enumerate(spec.interventions):
-        vector, entry = _load_vector(iv, f"interventions[{i}].vector", base, where, memo)
+        _in_range(iv, n_layers, lambda problem: _fail(where, f"interventions[{i}].layer", problem))
+        vector, entry = _load_vector(iv, f"interventions[{i}].vector", base, where, memo, n_layers)
+        _in_dtype(iv, vector, dtype, lambda field, problem: _fail(where, f"interventions[{i}]{field}", problem))
         fields = iv.model_dump(exclude={"vector"})
         interventions.append(Intervention(**fields, vector=tuple(vector.tolist())))
         vectors.append(entry)
@@ -380,3 +284,33 @@ def load_steering(
 def check(steering: Steering, n_layers: int | None, hidden_size: int | None) -> Steering:
     """Validate against a model's shape and resolve negative layers; None skips that check (the worker repeats it)."""
     return steering.resolve(n_layers, hidden_size)
+
+
+def compute_dtype(config: dict, dtype: str | None = None) -> str:
+    """The dtype a model's residual stream has: `dtype` when given (model_args), else its config's
+    torch_dtype (mlx-lm keeps the weights' dtype), float32 when neither names one Orchard knows."""
+    named = dtype or config.get("torch_dtype") or config.get("dtype") or (config.get("text_config") or {}).get("torch_dtype")
+    return named if named in FLOAT_MAX else "float32"
+
+
+def for_model(source: str | os.PathLike | Mapping | SpecFile | Steering, config: dict, dtype: str | None = None,
+              base_dir: str | os.PathLike | None = None) -> SteeringRun:  # fmt: skip
+    """`load_steering` and `check` for the model of this config.json: negative layers resolved (their default
+    safetensors keys too), shapes checked, values finite in the dtype the model computes in."""
+    n_layers, hidden = model_shape(config)
+    loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype))
+    return SteeringRun(check(loaded.steering, n_layers, hidden), loaded.record)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(results: Any) -> None:
+    """Print, once per process, each note a worker attached to a job's results (`worker.jobs.Results.notes`)."""
+    from tqdm import tqdm
+
+    for note in getattr(results, "notes", ()):
+        label = note.split(":", 1)[0]  # one warning per intervention, whatever ratio each chunk measured
+        if label not in _WARNED:
+            _WARNED.add(label)
+            tqdm.write(f"warning: {note}", file=sys.stderr)  # on its own line, above a progress bar

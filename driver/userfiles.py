@@ -1,5 +1,6 @@
 """What every file a user writes for Orchard shares (steering specs, sweep files, pairs and prompt sets): one
-pydantic error as a phrase in the user's words, and JSONL read line by line with one-line errors."""
+pydantic error as a phrase in the user's words, YAML/JSON read with a key given twice refused, and JSONL read
+line by line with one-line errors."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 
 def short(value: Any) -> str:
@@ -48,6 +51,40 @@ def explain(err: dict, list_of: str = "a list") -> str:
     if kind.startswith("string_"):
         return f"must be a string, not {text}"
     return err["msg"]
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a mapping naming a key twice is an error (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    where = f"line {line}" if seen[key] == line else f"lines {seen[key]} and {line}"
+                    problem = f"key {key!r} is given twice ({where}): keep one"
+                    raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
+                seen.setdefault(key, line)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, but a key given twice in one mapping raises a `yaml.YAMLError` naming it and its lines.
+    JSON is YAML: a .json file reads the same way (and gets the same check)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error as one phrase: 'key 'alpha' is given twice (lines 3 and 4): keep one' or
+    'malformed YAML at line L, column C: what the parser saw'."""
+    problem = getattr(e, "problem", None) or str(e)
+    if "is given twice" in problem:
+        return problem
+    mark = getattr(e, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"malformed YAML{at}: {problem}".split())
 
 
 def jsonl_lines(path: Path, fail: Callable[[str], Exception], missing: str, folder: str) -> list[tuple[int, Any]]:

@@ -6,12 +6,14 @@ caller's `capture_fn(requests, points) -> [ [points, hidden] arrays ]`, so extra
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,11 @@ class Pair:
     positive: str
     negative: str
     prompt: str = ""
+    line: int = field(default=0, compare=False)  # in the pairs file (0: not from a file)
+
+    @property
+    def where(self) -> str:
+        return f"line {self.line}" if self.line else "a pair"
 
     @property
     def texts(self) -> tuple[str, str]:
@@ -44,7 +51,7 @@ class Pair:
 # --- inputs -------------------------------------------------------------------------------------------
 
 
-def _pair(obj, where: str) -> Pair:
+def _pair(obj, where: str, line: int = 0) -> Pair:
     if not isinstance(obj, dict):
         raise PairsError(f"{where}: expected a JSON object with positive and negative, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(_FIELDS))
@@ -56,14 +63,14 @@ def _pair(obj, where: str) -> Pair:
     for key in ("positive", "negative"):
         if not obj.get(key):
             raise PairsError(f"{where}: {'empty' if key in obj else 'missing'} field {key!r}")
-    return Pair(obj["positive"], obj["negative"], obj.get("prompt", ""))
+    return Pair(obj["positive"], obj["negative"], obj.get("prompt", ""), line)
 
 
 def read_pairs(path: str | os.PathLike) -> list[Pair]:
     """Pairs from JSONL: one {"positive": ..., "negative": ..., optional "prompt": ...} per line; blank lines skipped."""
     path = Path(path)
     lines = jsonl_lines(path, PairsError, f"pairs file not found: {path}", f"pairs file is a folder: {path}")
-    pairs = [_pair(obj, f"{path}: line {n}") for n, obj in lines]
+    pairs = [_pair(obj, f"{path}: line {n}", n) for n, obj in lines]
     if not pairs:
         raise PairsError(f"{path}: no pairs (the file is empty): write one JSON object per line")
     return pairs
@@ -108,21 +115,87 @@ def parse_position(spec: str) -> int:
         raise ValueError(f"bad position {spec!r}: use 'last' or a token index like -2 or 5") from None
 
 
+def _position_problem(n: int, position: int, max_length: int | None) -> str | None:
+    """Why `position` cannot be read in n tokens of which the model keeps the last max_length; None if it can."""
+    at = position + n if position < 0 else position
+    if not 0 <= at < n:
+        return f"is outside the {n} tokens of"
+    cut = max(0, n - max_length) if max_length else 0
+    if at < cut:
+        return f"falls in the first {cut} tokens, cut off to fit the model's context of {max_length}, of the {n} tokens of"
+    return None
+
+
 def capture_requests(
-    encode: Callable[[str], list[int]], pairs: Sequence[Pair], position: int
+    encode: Callable[[str], list[int]], pairs: Sequence[Pair], position: int, max_length: int | None = None
 ) -> list[tuple[tuple[int, ...], int]]:
-    """Capture requests, positives first then negatives: request i is pair i's positive, n + i its negative."""
-    requests = []
-    for side in (0, 1):
-        for k, pair in enumerate(pairs):
+    """Capture requests, positives first then negatives: request i is pair i's positive, n + i its negative.
+
+    Every pair's position is checked (as the capture resolves it: the last `max_length` tokens are kept) and
+    the first pair where it cannot be read is a PairsError naming its line, before anything runs."""
+    requests: list[list] = [[], []]
+    for k, pair in enumerate(pairs):
+        for side in (0, 1):
             tokens = tuple(encode(pair.texts[side]))
-            if not -len(tokens) <= position < len(tokens):
-                name = ("positive", "negative")[side]
-                raise ValueError(
-                    f"pair {k + 1}: position {position} is outside the {len(tokens)} tokens of its {name} text"
-                )
-            requests.append((tokens, position))
-    return requests
+            problem = _position_problem(len(tokens), position, max_length)
+            if problem:
+                where = pair.where if pair.line else f"pair {k + 1}"
+                raise PairsError(f"{where}: position {position} {problem} its {('positive', 'negative')[side]} text")
+            requests[side].append((tokens, position))
+    return requests[0] + requests[1]
+
+
+def check_method(method: str, n_pairs: int) -> None:
+    """The PCA methods find how pairs vary: one pair has no variation to find."""
+    if method in ("pca-diff", "pca-center") and n_pairs < 2:
+        raise PairsError(f"{method} needs at least 2 pairs (it finds how they vary), the file has {n_pairs}: add pairs or use mean-diff")
+
+
+def same_sides(requests: Sequence[tuple[tuple[int, ...], int]], pairs: Sequence[Pair]) -> list[Pair]:
+    """Pairs whose two texts are the same tokens: their difference is zero at every layer."""
+    n = len(pairs)
+    return [pair for k, pair in enumerate(pairs) if requests[k] == requests[n + k]]
+
+
+def truncated(requests: Sequence[tuple[tuple[int, ...], int]], max_length: int) -> int:
+    """How many capture texts are longer than the model's context (the capture keeps their last max_length tokens)."""
+    return sum(len(tokens) > max_length for tokens, _ in requests)
+
+
+def head_encoder(folder: Path, trust_remote_code: bool = False) -> Callable[[str], list[int]]:
+    """`OrchardLM.tok_encode` on the model's tokenizer without a model (memoised): the head tokenizes and checks
+    the pairs before any worker starts, and the capture then runs on exactly these tokens."""
+    from .lm import OrchardLM, load_tokenizer
+
+    class _Head:  # the attributes tok_encode reads, nothing else of an lm-eval model
+        tok_encode = OrchardLM.tok_encode
+        prefix_token_id = OrchardLM.prefix_token_id
+        tokenizer = load_tokenizer(folder, trust_remote_code)
+
+    return functools.lru_cache(maxsize=None)(_Head().tok_encode)
+
+
+def check_pairs(path: str | os.PathLike, pairs: Sequence[Pair], encode: Callable[[str], list[int]], method: str,
+                position: int, max_length: int) -> None:  # fmt: skip
+    """Everything about the pairs the head can know before capture, as one-line PairsErrors naming the file
+    (and line): the method's pair count, the position in every text, pairs whose sides are the same tokens.
+    Texts longer than the model's context are said once, on stderr (the capture keeps their last tokens)."""
+    try:
+        check_method(method, len(pairs))
+        requests = capture_requests(encode, pairs, position, max_length)
+    except PairsError as e:
+        raise PairsError(f"{path}: {e}") from None
+    same = same_sides(requests, pairs)
+    if same:
+        more = f" (so are lines {_lines(same[1:])})" if len(same) > 1 else ""
+        raise PairsError(
+            f"{path}: {same[0].where}: the positive and negative texts are the same tokens{more}, so their "
+            "difference is zero at every layer: make the two sides of each pair differ"
+        )
+    long = truncated(requests, max_length)
+    if long:
+        print(f"warning: {long} of {len(requests)} pair texts are longer than the model's context ({max_length} "
+              f"tokens); the capture reads their last {max_length} tokens", file=sys.stderr)  # fmt: skip
 
 
 # --- combining ----------------------------------------------------------------------------------------
@@ -158,8 +231,7 @@ def combine(pos: np.ndarray, neg: np.ndarray, method: str) -> np.ndarray:
     if method == "mean-diff":
         return mean_diff.astype(np.float32)
     if method == "pca-diff":
-        if len(diff) < 2:
-            raise ValueError("pca-diff needs at least 2 pairs: it finds how the differences vary")
+        check_method(method, len(diff))
         v = _top_direction(diff - mean_diff, method)
     else:
         center = (pos + neg) / 2
@@ -197,7 +269,41 @@ def extract(
         raise RuntimeError(f"the capture returned {len(acts)} results for {len(requests)} requests")
     acts = np.stack([np.asarray(a, dtype=np.float32) for a in acts])  # [2n, points, hidden]
     n = len(pairs)
+    problem = zero_vectors(acts, pairs, points, position, method)
+    if problem:
+        raise PairsError(problem)
     return {point: combine(acts[:n, j], acts[n:, j], method) for j, point in enumerate(points)}
+
+
+NEAR_ZERO = 1e-4  # of the activations' mean norm: float32 noise from batching is ~1e-7 of it
+
+
+def _lines(pairs: Sequence[Pair], limit: int = 5) -> str:
+    shown = ", ".join(str(p.line) if p.line else "?" for p in pairs[:limit])
+    return shown + (f" and {len(pairs) - limit} more" if len(pairs) > limit else "")
+
+
+def zero_vectors(acts: np.ndarray, pairs: Sequence[Pair], points: Sequence[str], position: int, method: str) -> str | None:
+    """Why some layer's vector would be zero or near-zero (relative to its activations), naming the layers and
+    the pairs whose two sides read the same there; None when every layer has a direction.
+
+    `acts`: [2n, points, hidden], positives first. A layer where every pair reads the same on both sides has
+    no direction for any method; mean-diff's vector is also ~0 where the pairs' differences cancel out."""
+    n = len(pairs)
+    x = acts.astype(np.float64)
+    scale = np.linalg.norm(x, axis=-1).mean(axis=0)  # [points]
+    diff = x[:n] - x[n:]
+    same = np.linalg.norm(diff, axis=-1) <= NEAR_ZERO * scale  # [n, points]
+    flat = np.linalg.norm(diff.mean(axis=0), axis=-1) <= NEAR_ZERO * scale  # [points]
+    zero = [j for j in range(len(points)) if same[:, j].all() or (method == "mean-diff" and flat[j])]
+    if not zero:
+        return None
+    culprits = [pairs[k] for k in range(n) if same[k, zero].all()]
+    why = (f"the pairs on lines {_lines(culprits)} read the same activations on both sides at position {position}; "
+           "make their positive and negative texts differ there" if culprits else
+           "the pairs' differences cancel out; check that every pair has its positive side first")  # fmt: skip
+    named = ", ".join(points[j] for j in zero)
+    return f"the vectors at {named} would be zero (under {NEAR_ZERO:g} of the activations' norm): {why}; nothing written"
 
 
 def orchard_version() -> str:

@@ -238,3 +238,33 @@ def test_the_cache_remembers_whose_results_it_holds(tmp_path):
     cache = Cache(old)
     assert cache.knows(a) and not cache.knows(b)  # durable
     cache.close()
+
+
+def test_a_cache_made_on_one_thread_is_used_and_closed_on_another(tmp_path):
+    """An executor's finalizer closes its cache on whichever thread collects it (once a ProgrammingError
+    warning in the test run: sqlite refuses a connection used off the thread that made it)."""
+    import sqlite3
+    import threading
+
+    cache = Cache(tmp_path)
+    cache.put([(b"k" * 16, 1)])
+    errors: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            assert cache.get([b"k" * 16]) == {b"k" * 16: 1}
+            cache.put([(b"j" * 16, [2])])
+            assert cache.knows(b"m" * 16) is False
+            cache.close()
+        except BaseException as e:  # noqa: BLE001 (reported below, on the test's thread)
+            errors.append(e)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert errors == []
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        cache.get([b"k" * 16])
+    again = Cache(tmp_path)
+    assert again.get([b"j" * 16]) == {b"j" * 16: [2]}  # written on the other thread, committed
+    again.close()

@@ -8,6 +8,7 @@ numpy at the positions the mode names in that request's own tokens: prompt = the
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -299,3 +300,80 @@ def test_ops_compute_in_the_residual_dtype_and_hit_their_targets():
         assert op(x.astype(mx.float16), ctx).dtype == mx.float16
     with pytest.raises(SteeringError, match=r"resid_post\.0: the vector has 64 values but the residual stream has 32"):
         Add(v)(x[..., :32], ctx)
+
+
+# --- notes for the head: steering that swamps the residual stream, or overflows its dtype ------------------
+
+
+def _notes(lm, steering: Steering, requests=REQUESTS[:1]) -> tuple[str, ...]:
+    from worker.jobs import run
+    from worker.spec import Job
+
+    return run(lm, Job(kind="loglikelihood", steering=steering), requests, NO_REUSE).notes
+
+
+def _residual_norm(lm, request, point="resid_post.1") -> float:
+    """Mean norm of the unsteered residual stream over one request's input tokens, read by a test hook."""
+    snap = Snapshot()
+    with lm.hooks.installed([(point, snap)]):
+        loglikelihood(lm, [request], NO_REUSE)
+    ((x, _),) = snap.seen
+    return float(np.linalg.norm(x[0].astype(np.float64), axis=-1).mean())
+
+
+@pytest.mark.parametrize("ratio", [1e30, 15.0])
+def test_steering_that_swamps_the_residual_is_noted_with_its_ratio(lm, ratio):
+    """‖α·v‖ over SWAMPED (10) times the residual's mean norm at the steered positions: one note naming the
+    intervention and the ratio, as measured by hand on the unsteered stream."""
+    v = vec(0)
+    alpha = ratio * _residual_norm(lm, REQUESTS[0]) / float(np.linalg.norm(v.astype(np.float64)))
+    notes = _notes(lm, Steering(interventions=(iv(op="add", layer=1, alpha=alpha),)))
+    assert notes == (
+        f"interventions[0] (add at resid_post layer 1): ‖α·v‖ is {ratio:.2g}× the residual norm there; "
+        "the model no longer reads its input",
+    )
+
+
+def test_ordinary_steering_and_ablation_leave_no_note(lm):
+    residual = _residual_norm(lm, REQUESTS[0])
+    v_norm = float(np.linalg.norm(vec(0).astype(np.float64)))
+    assert _notes(lm, Steering(interventions=(iv(op="add", layer=1, alpha=5 * residual / v_norm),))) == ()
+    assert _notes(lm, Steering(interventions=(iv(op="ablate", layer=1), iv(op="clamp", layer=1, alpha=4.0)))) == ()
+    clamp = _notes(lm, Steering(interventions=(iv(op="ablate", layer=1), iv(op="clamp", layer=-1, alpha=1e30))))
+    assert len(clamp) == 1 and clamp[0].startswith("interventions[1] (clamp at resid_post layer 2): ‖α·v‖ is ")
+
+
+def test_alpha_v_inf_in_the_residuals_dtype_is_noted(lm):
+    """Finite in float32 (the spec's check passes) but inf in a float16 model's residual stream."""
+    from worker.spec import ModelSpec
+
+    half = load(ModelSpec(model=str(lm.path), dtype="float16"))
+    steering = Steering(interventions=(iv(op="add", layer=0, alpha=1e5),))
+    assert _notes(half, steering) == (
+        "interventions[0] (add at resid_post layer 0): α·v is inf in float16 (the residual's dtype), "
+        "so every number downstream is NaN",
+    )
+    assert _notes(lm, steering)[0].endswith("the model no longer reads its input")  # float32: finite, but swamping
+
+
+def test_the_cli_warns_once_when_steering_swamps_the_stream(stories_path, tasks_dir, tmp_path):
+    """alpha 1e30 (finite everywhere): every document then gets the same log-likelihoods. The warning comes
+    from the workers' notes through Ray to the head, printed once however many chunks carried it."""
+    import os
+    import subprocess
+    import sys
+
+    np.save(tmp_path / "v.npy", np.random.default_rng(0).standard_normal(64).astype(np.float32))
+    (tmp_path / "steer.yaml").write_text("interventions:\n  - {layer: 3, vector: v.npy, alpha: 1.0e+30}\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    command = [sys.executable, "-m", "driver", "run", "--model", str(stories_path), "--tasks", "orchard_mc",
+               "--include-path", str(tasks_dir), "--workers", "1", "--address", "local", "--steer", "steer.yaml",
+               "--model-args", "max_batch_tokens=64", "--output-path", "out"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "no longer reads its input" in line]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert re.fullmatch(
+        r"warning: interventions\[0\] \(add at resid_post layer 3\): ‖α·v‖ is \d\.?\d?e\+(2[89]|30)× the residual "
+        r"norm there; the model no longer reads its input", warnings[0]
+    ), warnings[0]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from driver.steer import SpecFile, SteeringError, check, load_steering, model_shape
+from driver.steer import SpecFile, SteeringError, check, for_model, load_steering, model_shape
 from worker.spec import OPS, POSITIONS, SITES, Intervention, Steering
 
 V = np.array([3.0, 4.0, 0.0, 0.0, 0.0], dtype=np.float32)  # norm 5
@@ -115,9 +115,8 @@ def test_float64_vectors_travel_as_float32(tree):
 
 
 def test_empty_interventions_mean_unsteered(tree):
-    for text in ("interventions: []\n", "interventions:\n"):
-        run = load_steering(write(tree / "spec", "e.yaml", text))
-        assert run.steering == Steering() and not run.steering and run.steering.key() == ""
+    run = load_steering(write(tree / "spec", "e.yaml", "interventions: []\n"))
+    assert run.steering == Steering() and not run.steering and run.steering.key() == ""
 
 
 def test_a_ready_steering_passes_through_with_a_record():
@@ -157,6 +156,43 @@ def test_check_resolves_negative_layers_and_validates_shape():
         check(s, 5, 3)
 
 
+def test_a_negative_layers_default_key_is_that_of_the_layer_it_resolves_to(tree):
+    """README's example: `layer: -1` with `vector: {file: ...}` reads `resid_post.<n_layers - 1>`."""
+    save_file({"resid_post.4": W, "resid_pre.3": V}, str(tree / "vecs" / "five.safetensors"))
+    spec = {"interventions": [{"layer": -1, "op": "ablate", "vector": {"file": "five.safetensors"}, "normalize": True},
+                              {"layer": -2, "site": "resid_pre", "vector": {"file": "five.safetensors"}}]}  # fmt: skip
+    run = for_model(spec, {"num_hidden_layers": 5, "hidden_size": 5}, base_dir=tree / "vecs")
+    assert [iv.layer for iv in run.steering.interventions] == [4, 3]
+    assert [iv.vector for iv in run.steering.interventions] == [tuple(W.tolist()), tuple(V.tolist())]
+    assert [v["key"] for v in run.record["vectors"]] == ["resid_post.4", "resid_pre.3"]
+    with pytest.raises(SteeringError, match=r"interventions\[0\]\.layer: -6 is out of range for a model with 5 layers"):
+        for_model({"interventions": [{"layer": -6, "vector": {"file": "five.safetensors"}}]},
+                  {"num_hidden_layers": 5, "hidden_size": 5}, base_dir=tree / "vecs")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fields, dtype, message",
+    [
+        ({"alpha": 70000.0}, "float16", "interventions[0].alpha: alpha reaches 7e+04, which is inf in float16"),
+        ({"alpha": 20000.0}, "float16", "interventions[0].alpha: alpha*vector reaches 8e+04, which is inf in float16"),
+        ({"alpha": 1e38}, "bfloat16", "interventions[0].alpha: alpha*vector reaches 4e+38, which is inf in bfloat16"),
+        ({"alpha": 3.0e38, "op": "clamp"}, "bfloat16", None),  # clamp writes alpha*u: finite
+        ({"alpha": 1000.0}, "float32", None),
+    ],
+)
+def test_values_are_checked_in_the_dtype_the_model_computes_in(tree, fields, dtype, message):
+    config = {"num_hidden_layers": 2, "hidden_size": 5, "torch_dtype": dtype}
+    spec = {"interventions": [{"layer": 0, "vector": "v.npy", **fields}]}
+    if message is None:
+        assert for_model(spec, config, base_dir=tree / "vecs").steering.interventions[0].alpha == fields["alpha"]
+        return
+    with pytest.raises(SteeringError) as e:
+        for_model(spec, config, base_dir=tree / "vecs")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SteeringError, match="inf in float16"):  # model_args dtype=float16 on a float32 model
+        for_model(spec, {**config, "torch_dtype": "float32"}, "float16", base_dir=tree / "vecs")
+
+
 def test_model_shape_reads_hf_configs():
     assert model_shape({"num_hidden_layers": 24, "hidden_size": 896}) == (24, 896)
     assert model_shape({"n_layer": 12, "n_embd": 768}) == (12, 768)
@@ -174,6 +210,7 @@ def prepare_bad_files(vecs: Path) -> None:
     np.save(vecs / "zeros.npy", np.zeros(5, dtype=np.float32))
     np.save(vecs / "nan.npy", np.array([1.0, np.nan, np.inf], dtype=np.float32))
     np.save(vecs / "big.npy", np.array([1e300], dtype=np.float64))  # inf as float32
+    np.save(vecs / "huge.npy", np.full(5, 3e38, dtype=np.float32))  # finite in float32, its norm is not
     np.save(vecs / "2d.npy", np.ones((2, 5), dtype=np.float32))
     np.save(vecs / "ints.npy", np.arange(5))
     np.save(vecs / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
@@ -244,6 +281,16 @@ ERROR_CASES = {
     "negative layer no key": (iv(layer=-1, vector={"file": "all.safetensors"}),
                               ["interventions[0].vector.key", "layer -1", "give `key:`", "non-negative"]),
     "key on npy": (iv(vector={"file": "v.npy", "key": "a"}), ["interventions[0].vector.key", "only to .safetensors"]),
+    "interventions with no value": (".yaml", "interventions:\n", ["interventions: has no value", "interventions: []"]),
+    "alpha given twice": (".yaml", "interventions:\n  - layer: 0\n    vector: v.npy\n    alpha: 2.0\n    alpha: 50.0\n",
+                          ["key 'alpha' is given twice (lines 4 and 5): keep one"]),
+    "interventions given twice": (".yaml", "interventions:\n  - {layer: 0, vector: v.npy}\ninterventions: []\n",
+                                  ["key 'interventions' is given twice (lines 1 and 3)"]),
+    "key given twice in json": (".json", '{"interventions": [\n  {"layer": 0, "vector": "v.npy",\n   "layer": 1}]}',
+                                ["key 'layer' is given twice (lines 2 and 3)"]),
+    "alpha inf as float32": (iv(alpha=1.0e39), ["interventions[0].alpha", "1e+39, which is inf in float32"]),
+    "alpha*v inf as float32": (iv(alpha=1.0e38), ["interventions[0].alpha", "alpha*vector reaches 4e+38", "float32"]),
+    "norm inf as float32": (iv(vector="huge.npy", normalize=True), ["interventions[0].vector", "its norm 6.71e+38 is inf in float32"]),
     "second intervention": ({"interventions": [{"layer": 0, "vector": "v.npy"},
                                                {"layer": 1, "vector": "v.npy", "alpha": "x"}]},
                             ["interventions[1].alpha"]),
@@ -293,3 +340,54 @@ def test_the_spec_allows_exactly_what_workers_accept():
     fields = InterventionSpec.model_fields
     assert (get_args(fields["site"].annotation), get_args(fields["op"].annotation)) == (SITES, OPS)
     assert get_args(fields["positions"].annotation) == POSITIONS
+
+
+# --- README's own example, as a user runs it ------------------------------------------------------------------------
+
+
+def _driver(*args, cwd: Path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run([sys.executable, "-m", "driver", *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=600)  # fmt: skip
+
+
+def readme_spec() -> str:
+    """The first YAML block of README's "## Steering" section, as printed there."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("\n## Steering\n") :]
+    return section[section.index("```yaml\n") + 8 : section.index("```", section.index("```yaml\n") + 8)]
+
+
+def test_readmes_steering_example_runs_as_printed(stories_path, tasks_dir, tmp_path):
+    """`layer: -1` with `vector: {file: vectors.safetensors}` reads the key `resid_post.<the last layer>` (4 on the
+    5-layer TinyStories model), as README says; the file holds only that key, so no other reading can pass."""
+    spec = readme_spec()
+    assert "layer: -1" in spec and "vector: {file: vectors.safetensors}" in spec
+    (tmp_path / "steer.yaml").write_text(spec)
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "happy.npy", rng.standard_normal(64).astype(np.float32))
+    save_file({"resid_post.4": rng.standard_normal(64).astype(np.float32)}, str(tmp_path / "vectors.safetensors"))
+    proc = _driver("run", "--model", stories_path, "--tasks", "orchard_mc", "--include-path", tasks_dir, "--limit", "4",
+                   "--workers", "1", "--address", "local", "--steer", "steer.yaml", "--output-path", "out", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    record = json.loads(results.read_text())["config"]["orchard"]["steering"]
+    assert record["resolved_layers"] == [3, 4]
+    assert [v["key"] for v in record["vectors"]] == [None, "resid_post.4"]
+
+
+def test_worker_notes_are_printed_once_per_intervention(capsys):
+    from driver import steer
+    from worker.jobs import Results
+
+    steer._WARNED.clear()
+    note = "interventions[0] (add at resid_post layer 3): ‖α·v‖ is 1e+30× the residual norm there; the model no longer reads its input"
+    for ratio in ("1e+30", "9.9e+29"):  # another chunk, another measurement: the same intervention
+        steer.warn_once(Results([(0.0, False)], [note.replace("1e+30", ratio)]))
+    steer.warn_once([(0.0, False)])  # a plain list (a grid's results): nothing to say
+    assert capsys.readouterr().err.strip().splitlines() == [f"warning: {note}"]
+    steer._WARNED.clear()

@@ -3,6 +3,10 @@ directions, the safetensors output, and one-line errors for bad pairs files."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -16,8 +20,10 @@ from driver.vectors import (
     Pair,
     PairsError,
     capture_requests,
+    check_pairs,
     combine,
     extract,
+    head_encoder,
     metadata,
     parse_layers,
     parse_position,
@@ -199,6 +205,9 @@ def test_capture_requests_put_positives_first():
     assert requests == [((112, 97), -1), ((99,), -1), ((112, 98), -1), ((100,), -1)]
     with pytest.raises(ValueError, match=r"^pair 2: position -2 is outside the 1 tokens of its positive text$"):
         capture_requests(lambda s: [ord(c) for c in s], pairs, -2)
+    with pytest.raises(PairsError, match=r"^pair 1: position 0 falls in the first 1 tokens, cut off to fit the model's"):
+        capture_requests(lambda s: [ord(c) for c in s], pairs, 0, max_length=1)
+    assert capture_requests(lambda s: [ord(c) for c in s], pairs, -1, max_length=1) == requests  # the last token stays
 
 
 # --- output ---------------------------------------------------------------------------------------------
@@ -296,3 +305,119 @@ def test_parse_layers_and_position():
     assert parse_position("last") == -1 and parse_position("-2") == -2 and parse_position("5") == 5
     with pytest.raises(ValueError, match="bad position 'first'"):
         parse_position("first")
+
+
+# --- what the head checks before any capture, and degenerate vectors ------------------------------------------------
+
+
+def write_pairs(path, *lines) -> list[Pair]:
+    path.write_text("".join(json.dumps(line) + "\n" if line else "\n" for line in lines))
+    return read_pairs(path)
+
+
+HAPPY = {"positive": "Once upon a time the dog was happy", "negative": "Once upon a time the dog was sad"}
+
+
+def test_the_head_tokenizes_as_the_run_does(stories_path):
+    from driver.lm import MLXLM
+
+    lm = MLXLM(pretrained=str(stories_path))
+    encode = head_encoder(stories_path)
+    for text in ["Once upon a time", "<s> Lily", " spaced  out ", "Tom\nran"]:
+        assert encode(text) == lm.tok_encode(text)
+
+
+@pytest.mark.parametrize(
+    "lines, method, position, max_length, message",
+    [
+        ([HAPPY], "pca-diff", -1, 512, "pairs.jsonl: pca-diff needs at least 2 pairs (it finds how they vary), the file has 1"),
+        ([HAPPY], "pca-center", -1, 512, "pairs.jsonl: pca-center needs at least 2 pairs"),
+        ([HAPPY, None, {"positive": "Once upon a time", "negative": "Tom"}], "mean-diff", -5, 512,
+         "pairs.jsonl: line 3: position -5 is outside the 3 tokens of its negative text"),
+        ([HAPPY], "mean-diff", -500, 512, "pairs.jsonl: line 1: position -500 is outside the 10 tokens of its positive text"),
+        ([HAPPY], "mean-diff", 2, 4, "pairs.jsonl: line 1: position 2 falls in the first 6 tokens, cut off to fit the model's context of 4"),
+        ([HAPPY, {"positive": "same", "negative": "same"}, {"prompt": "a", "positive": "b", "negative": "b"}], "mean-diff", -1, 512,
+         "pairs.jsonl: line 2: the positive and negative texts are the same tokens (so are lines 3), so their difference is zero"),
+    ],
+)
+def test_the_head_refuses_pairs_it_can_see_are_unusable(stories_path, tmp_path, lines, method, position, max_length, message):
+    path = tmp_path / "pairs.jsonl"
+    with pytest.raises(PairsError) as e:
+        check_pairs(path, write_pairs(path, *lines), head_encoder(stories_path), method, position, max_length)
+    assert message in str(e.value) and str(e.value).startswith(str(path)) and "\n" not in str(e.value)
+
+
+def test_texts_longer_than_the_context_are_counted_once(stories_path, tmp_path, capsys):
+    path = tmp_path / "pairs.jsonl"
+    pairs = write_pairs(path, HAPPY, {"positive": "a dog", "negative": "a cat"})
+    check_pairs(path, pairs, head_encoder(stories_path), "mean-diff", -1, 8)
+    err = capsys.readouterr().err
+    assert err == "warning: 2 of 4 pair texts are longer than the model's context (8 tokens); the capture reads their last 8 tokens\n"
+    check_pairs(path, pairs, head_encoder(stories_path), "mean-diff", -1, 512)
+    assert capsys.readouterr().err == ""
+
+
+def test_vectors_that_would_be_zero_are_refused_naming_layers_and_pairs(lm):
+    """Position 0 is the BOS token on both sides: every layer's activations are equal, so is every pair's."""
+    pairs = [Pair(" the happy dog", " the sad dog", line=2), Pair(" a big cat", " a small cat", line=5)]
+    capture_fn = lambda requests, points: capture(lm, requests, points)  # noqa: E731
+    with pytest.raises(PairsError) as e:
+        extract(capture_fn, lm.tokenizer.encode, pairs, [0, 2], "resid_post", "mean-diff", 0)
+    assert str(e.value) == (
+        "the vectors at resid_post.0, resid_post.2 would be zero (under 0.0001 of the activations' norm): the pairs "
+        "on lines 2, 5 read the same activations on both sides at position 0; make their positive and negative "
+        "texts differ there; nothing written"
+    )
+    swapped = [pairs[0], Pair(" the sad dog", " the happy dog", line=3)]  # differences that cancel out
+    with pytest.raises(PairsError, match=r"resid_post\.0, resid_post\.2 would be zero .*: the pairs' differences cancel out"):
+        extract(capture_fn, lm.tokenizer.encode, swapped, [0, 2], "resid_post", "mean-diff", -1)
+    found = extract(capture_fn, lm.tokenizer.encode, swapped, [0, 2], "resid_post", "pca-center", -1)
+    assert all(np.isclose(np.linalg.norm(v), 1.0) for v in found.values())  # a direction exists: PCA finds it
+
+
+# --- the CLI: cached like every result, degenerate output refused ---------------------------------------------------
+
+
+def _vectors(*args, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    command = [sys.executable, "-m", "driver", "vectors", "--workers", "1", "--address", "local", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+
+
+def _contents(path) -> tuple[dict, dict]:
+    with safe_open(str(path), "np") as f:
+        return f.metadata(), {k: f.get_tensor(k).tobytes() for k in f.keys()}
+
+
+def test_vectors_are_cached_a_rerun_computes_nothing_a_changed_pair_only_itself(stories_path, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    lines = [HAPPY, {"positive": "Tom was glad", "negative": "Tom was angry"}, {"positive": "a sunny day", "negative": "a rainy day"}]
+    write_pairs(pairs, *lines)
+    out = tmp_path / "out" / "v.safetensors"
+    first = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"(0 of 6 texts from the cache, {tmp_path / 'out' / 'cache'})" in first.stdout, first.stdout
+    first_copy = tmp_path / "first.safetensors"
+    first_copy.write_bytes(out.read_bytes())
+    again = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "(6 of 6 texts from the cache" in again.stdout and "on no workers" in again.stdout, again.stdout
+    assert _contents(out) == _contents(first_copy)  # the same vectors, bit for bit, and the same metadata
+    write_pairs(pairs, *lines[:2], {"positive": "a sunny day", "negative": "a foggy day"})
+    changed = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, cwd=tmp_path)
+    assert changed.returncode == 0 and "(5 of 6 texts from the cache" in changed.stdout, changed.stdout + changed.stderr[-2000:]
+    assert _contents(out)[1] != _contents(first_copy)[1]
+
+
+def test_vectors_that_would_be_zero_write_nothing(stories_path, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs(pairs, HAPPY, {"positive": "Tom was glad", "negative": "Tom was angry"})
+    out = tmp_path / "v.safetensors"
+    proc = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, "--position", "0", "--layers", "0,-1", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "Error: the vectors at resid_post.0, resid_post.4 would be zero (under 0.0001 of the activations' norm): the "
+        "pairs on lines 1, 2 read the same activations on both sides at position 0; make their positive and negative "
+        "texts differ there; nothing written"
+    )
+    assert not out.exists()

@@ -1,6 +1,7 @@
 """One job on one loaded model: its steering installed around the kernel it names, removed right after.
 
 The in-process executor and the Ray actor both call `run`, so a job means the same thing wherever it runs.
+Its results come back as `Results`: a plain list that also carries the steering ops' notes for the head.
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from .spec import Batching, Job
 from .steer import steered
 
 
+class Results(list):
+    """A job's results in request order, and `notes`: one line per intervention whose steering the head
+    should warn about (it swamps the residual stream, or overflows its dtype). Pickles as a list plus notes."""
+
+    def __init__(self, items: Sequence[Any] = (), notes: Sequence[str] = ()) -> None:
+        super().__init__(items)
+        self.notes = tuple(notes)
+
+
 def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) -> list:
     """Results in request order: (logprob, is_greedy) pairs, generated texts, or [points, hidden] arrays.
 
@@ -24,9 +34,12 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
     """
     if job.grid:
         return run_grid(lm, job.kind, job.grid, requests, batching)
-    with steered(lm, job.steering):
+    notes: list[str] = []
+    with steered(lm, job.steering, notes):
         if job.kind == "loglikelihood":
-            return loglikelihood(lm, requests, batching)
-        if job.kind == "generate":
-            return generate(lm, requests, batch_size=batching.batch_size)
-        return capture(lm, requests, job.points, batching)
+            out = loglikelihood(lm, requests, batching)
+        elif job.kind == "generate":
+            out = generate(lm, requests, batch_size=batching.batch_size)
+        else:
+            out = capture(lm, requests, job.points, batching)
+    return Results(out, notes)

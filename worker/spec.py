@@ -22,6 +22,40 @@ class SteeringError(ValueError):
     """Steering that cannot apply (to this model); one line naming the intervention, the field and the fix."""
 
 OPS = ("add", "replace", "ablate", "clamp")
+
+FLOAT_MAX = {"float32": float(np.finfo(np.float32).max), "float16": float(np.finfo(np.float16).max),
+             "bfloat16": 3.3895313892515355e38}  # fmt: skip
+_DIRECTION_OPS = ("ablate", "clamp")  # they use u = v/|v|
+
+
+def overflow(name: str, values: np.ndarray, dtype: str = "float32") -> str | None:
+    """Why `values` (float64) are not finite numbers in `dtype`, the precision steering runs in; None if they are."""
+    finite = np.isfinite(values)
+    if not finite.all():
+        return f"{name} holds {int((~finite).sum())} NaN/inf value(s)"
+    # a value rounds to inf in `dtype` only from half an ulp above its largest finite number; this bound is safe
+    biggest = float(np.abs(values).max(initial=0.0))
+    if biggest > FLOAT_MAX[dtype]:
+        return f"{name} reaches {biggest:.3g}, which is inf in {dtype} (largest finite: {FLOAT_MAX[dtype]:.3g})"
+    return None
+
+
+def steering_overflow(alpha: float, vector: np.ndarray, op: str, normalize: bool, dtype: str = "float32") -> tuple[str, str] | None:
+    """(field, why) when what an op computes from alpha and the vector is not finite in `dtype`, else None:
+    the norm that normalize/ablate/clamp divide by, then alpha*v (alpha*u for ablate/clamp, unused by ablate)."""
+    norm = float(np.linalg.norm(vector))
+    unit = normalize or op in _DIRECTION_OPS
+    if unit and norm > FLOAT_MAX[dtype]:
+        return "vector", f"its norm {norm:.3g} is inf in {dtype}, so it cannot be normalized: scale the vector down"
+    if op == "ablate":
+        return None
+    scale = abs(alpha) * (1.0 if unit else float(np.abs(vector).max(initial=0.0)))
+    if scale > FLOAT_MAX[dtype]:
+        return "alpha", (f"alpha*vector reaches {scale:.3g}, which is inf in {dtype} (largest finite: "
+                         f"{FLOAT_MAX[dtype]:.3g}): use a smaller alpha")  # fmt: skip
+    return None
+
+
 POSITIONS = ("all", "prompt", "continuation", "last")
 
 
@@ -71,16 +105,25 @@ class Intervention(BaseModel):
     def _finite(cls, v: tuple[float, ...]) -> tuple[float, ...]:
         if not v:
             raise ValueError("the vector is empty")
-        if not all(math.isfinite(x) for x in v):
-            raise ValueError("the vector holds NaN or inf values")
+        problem = overflow("the vector", np.asarray(v, dtype=np.float64))
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("alpha")
     @classmethod
     def _finite_alpha(cls, a: float) -> float:
-        if not math.isfinite(a):
-            raise ValueError(f"alpha must be a finite number, not {a}")
+        problem = overflow("alpha", np.float64(a))
+        if problem:
+            raise ValueError(problem)
         return a
+
+    @model_validator(mode="after")
+    def _finite_product(self) -> "Intervention":
+        problem = steering_overflow(self.alpha, np.asarray(self.vector, dtype=np.float64), self.op, self.normalize)
+        if problem:
+            raise ValueError(problem[1])
+        return self
 
     def array(self) -> np.ndarray:
         """The vector as float32, unit norm when `normalize` is set."""

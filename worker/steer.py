@@ -10,6 +10,11 @@ other position, pads included, exactly as it was; it computes in `x`'s dtype. Wi
 
 Ops carry `.positions` so the scoring kernel knows when prompt and continuation must be told apart
 (`HookManager.splits_prompt`). `worker.hooks` is the mechanism; this module only says what to do.
+
+Under `steered(..., notes)` each op also looks, on its first forward, at what it is about to do (one host
+sync per op per job; grids do not look): if what it writes, ‖α·v‖, is over SWAMPED times the residual's mean
+norm at the positions it steers, or α·v is not finite in the residual's dtype, it keeps a one-line note that
+`steered` hands to the job.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ from .spec import Steering, SteeringError
 
 __all__ = ["OPS", "Ablate", "Add", "Clamp", "Replace", "SteeringError", "hidden_size", "hooks_for", "steered"]
 
-
+# ‖α·v‖ over this many times the residual norm swamps the stream: what differs between inputs is under a tenth
+# of what the next block's norm layer sees. Measured on TinyStories-260K (add at layer 3, a random unit direction,
+# 5 stories x 4 endings): the spread of an ending's log-likelihood across stories is 3.04 nats unsteered, 0.11
+# at 10x, 0.011 at 100x and 0 at 1e30x (each document then gets the same four numbers), falling as 1/ratio.
+SWAMPED = 10.0
 
 
 def _at(positions: str, x: mx.array, ctx: HookContext, new: mx.array) -> mx.array:
@@ -40,7 +49,7 @@ class _Op:
 
     unit = False  # ops along a direction keep u = v/|v|
 
-    def __init__(self, vector: Any, alpha: float = 1.0, positions: str = "all") -> None:
+    def __init__(self, vector: Any, alpha: float = 1.0, positions: str = "all", label: str = "", look: bool = False) -> None:
         if positions not in POSITIONS:
             raise SteeringError(f"positions {positions!r} is unknown: choose one of {', '.join(POSITIONS)}")
         v = np.asarray(vector, dtype=np.float32)
@@ -56,6 +65,33 @@ class _Op:
         self.alpha = float(alpha)
         self.positions = positions
         self._cast: dict[Any, mx.array] = {}
+        self.label = label or repr(self)
+        self.note: str | None = None
+        self._looked = not look  # `look`: the first forward with steered positions is still to be looked at
+
+    def written_norm(self) -> float:
+        """‖what the op writes‖ on top of x: α·v (α·u for clamp); 0 for ablate, which only removes."""
+        return abs(self.alpha) * float(np.linalg.norm(np.asarray(self.vector, dtype=np.float64)))
+
+    def _look(self, x: mx.array, ctx: HookContext, v: mx.array) -> None:
+        """Once: note α·v not finite in x's dtype, or ‖α·v‖ swamping the residual at the steered positions."""
+        written = self.written_norm()
+        if written == 0.0:
+            self._looked = True
+            return
+        mask = ctx.rows.mask(self.positions, x.shape[0], x.shape[1]).astype(mx.float32)
+        norms = mx.linalg.norm(x.astype(mx.float32), axis=-1)
+        steered, total, finite = mx.sum(mask), mx.sum(norms * mask), mx.all(mx.isfinite(self.alpha * v))
+        mx.eval(steered, total, finite)
+        if steered.item() == 0:
+            return  # e.g. a prompt-only forward of continuation steering: look at the next one
+        self._looked = True
+        ratio = written / max(total.item() / steered.item(), 1e-30)
+        if not finite.item():
+            dtype = str(x.dtype).rsplit(".", 1)[-1]
+            self.note = f"{self.label}: α·v is inf in {dtype} (the residual's dtype), so every number downstream is NaN"
+        elif ratio > SWAMPED:
+            self.note = f"{self.label}: ‖α·v‖ is {ratio:.2g}× the residual norm there; the model no longer reads its input"
 
     def _v(self, x: mx.array, ctx: HookContext) -> mx.array:
         if x.shape[-1] != self.vector.shape[0]:
@@ -69,7 +105,10 @@ class _Op:
         return v
 
     def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
-        return _at(self.positions, x, ctx, self.edit(x, self._v(x, ctx)))
+        v = self._v(x, ctx)
+        if not self._looked:
+            self._look(x, ctx, v)
+        return _at(self.positions, x, ctx, self.edit(x, v))
 
     def edit(self, x: mx.array, v: mx.array) -> mx.array:
         raise NotImplementedError
@@ -97,6 +136,9 @@ class Ablate(_Op):
 
     unit = True
 
+    def written_norm(self) -> float:
+        return 0.0  # it only removes what x holds
+
     def edit(self, x: mx.array, u: mx.array) -> mx.array:
         return x - (x @ u[:, None]) * u
 
@@ -113,14 +155,16 @@ class Clamp(_Op):
 OPS: dict[str, type[_Op]] = {"add": Add, "replace": Replace, "ablate": Ablate, "clamp": Clamp}
 
 
-def hooks_for(steering: Steering | None, n_layers: int, hidden: int) -> list[tuple[str, Hook]]:
-    """(hook point, op) per intervention, in order; negative layers count from the end."""
+def hooks_for(steering: Steering | None, n_layers: int, hidden: int, look: bool = False) -> list[tuple[str, Hook]]:
+    """(hook point, op) per intervention, in order; negative layers count from the end. `look`: each op notes,
+    on its first forward, steering that swamps the residual stream or overflows its dtype (one sync each)."""
     out: list[tuple[str, Hook]] = []
     for i, iv in enumerate(steering.resolve(n_layers, hidden).interventions if steering else ()):
         if iv.normalize and not any(iv.vector):
             raise SteeringError(f"interventions[{i}].vector: all zeros: pass a nonzero vector or normalize=false")
+        label = f"interventions[{i}] ({iv.op} at {iv.site} layer {iv.layer})"
         try:
-            op = OPS[iv.op](iv.array(), iv.alpha, iv.positions)
+            op = OPS[iv.op](iv.array(), iv.alpha, iv.positions, label, look)
         except SteeringError as e:
             raise SteeringError(f"interventions[{i}].{e}") from None
         out.append((f"{iv.site}.{iv.layer}", op))
@@ -139,13 +183,17 @@ def hidden_size(lm) -> int:
 
 
 @contextlib.contextmanager
-def steered(lm, steering: Steering | None) -> Iterator[None]:
+def steered(lm, steering: Steering | None, notes: list[str] | None = None) -> Iterator[None]:
     """Install `steering`'s hooks on `lm` (a worker.load.LoadedModel) for the block; remove exactly them.
 
-    No interventions install nothing: the model stays bitwise the plain one.
+    No interventions install nothing: the model stays bitwise the plain one. The ops' notes (steering that
+    swamps the residual stream or overflows its dtype) are appended to `notes` when the block ends.
     """
     if not steering:
         yield
         return
-    with lm.hooks.installed(hooks_for(steering, lm.n_layers, hidden_size(lm))):
+    hooks = hooks_for(steering, lm.n_layers, hidden_size(lm), look=notes is not None)
+    with lm.hooks.installed(hooks):
         yield
+    if notes is not None:
+        notes.extend(op.note for _, op in hooks if op.note)

@@ -1,0 +1,139 @@
+"""The steering spec's schema as written in a YAML/JSON file (pydantic models), and its validation errors as
+one-line `SteeringError`s in the user's words (`driver.steer` reads the files and the vectors)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError
+from pydantic import field_validator
+
+from worker.spec import OPS, POSITIONS, SITES, SteeringError
+
+from .userfiles import explain, short
+
+
+def _fail(where: str, field: str, problem: str) -> SteeringError:
+    text = f"{where}: {field}: {problem}" if field else f"{where}: {problem}"
+    return SteeringError(" ".join(text.split()))  # one line, whatever the parsers put in
+
+
+# --- the file's schema --------------------------------------------------------------------------
+
+
+def _fspath(v: Any) -> Any:
+    return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+
+class VectorRef(BaseModel):
+    """`{file: vectors.safetensors, key: resid_post.3}`; without a key, `{site}.{layer}` of the intervention."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    file: str
+    key: str | None = None
+
+    @field_validator("file", mode="before")
+    @classmethod
+    def _path(cls, v: Any) -> Any:
+        return _fspath(v)
+
+
+def _vector_form(v: Any) -> str | None:
+    if isinstance(v, (str, os.PathLike)):
+        return "path"
+    return "ref" if isinstance(v, (Mapping, VectorRef)) else None
+
+
+VectorField = Annotated[
+    Union[Annotated[str, Tag("path")], Annotated[VectorRef, Tag("ref")]],
+    Discriminator(_vector_form, custom_error_type="vector_form", custom_error_message="bad vector"),
+]
+
+
+class InterventionSpec(BaseModel):
+    """One intervention as written; see `worker.spec.Intervention` for what each op does."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layer: StrictInt
+    site: Literal["resid_pre", "resid_post"] = "resid_post"
+    op: Literal["add", "replace", "ablate", "clamp"] = "add"
+    vector: VectorField
+    alpha: float = Field(default=1.0, strict=True, allow_inf_nan=False)
+    positions: Literal["all", "prompt", "continuation", "last"] = "all"
+    normalize: StrictBool = False
+
+    @field_validator("vector", mode="before")
+    @classmethod
+    def _path(cls, v: Any) -> Any:
+        return _fspath(v)
+
+
+class SpecFile(BaseModel):
+    """The whole file: `interventions:` in order; an empty list means the plain model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    interventions: tuple[InterventionSpec, ...]
+
+
+_ALLOWED = {"site": SITES, "op": OPS, "positions": POSITIONS}
+
+
+# --- pydantic errors as one-liners ---------------------------------------------------------------
+
+
+def _field_path(loc: tuple) -> str:
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not (i > 0 and loc[i - 1] == "vector" and part in ("path", "ref")):  # union tags
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _unknown_field(loc: tuple) -> str:
+    model = SpecFile if len(loc) == 1 else VectorRef if "vector" in loc else InterventionSpec
+    allowed = list(model.model_fields)
+    near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    hint = f"did you mean '{near[0]}'? " if near else ""
+    return f"unknown field ({hint}allowed: {', '.join(allowed)})"
+
+
+def _explain(err: dict) -> str:
+    """One pydantic error as 'what is wrong (what to write instead)'."""
+    kind, loc, value = err["type"], err["loc"], err.get("input")
+    name = loc[-1] if loc else ""
+    if kind == "missing":
+        if loc == ("interventions",):
+            return "missing (write `interventions: []` for an unsteered run)"
+        return "missing (this field is required)"
+    if loc == ("interventions",) and value is None:  # YAML `interventions:` with nothing under it
+        return "has no value: list the interventions under it, or write `interventions: []` for an unsteered run"
+    if kind == "extra_forbidden":
+        return _unknown_field(loc)
+    if kind == "literal_error":
+        return f"{short(value)} is not allowed (use one of: {', '.join(_ALLOWED.get(name, ()))})"
+    if kind == "vector_form":
+        return f"must be a path to a .npy file or {{file: ..., key: ...}}, not {short(value)}"
+    return explain(err, list_of="a list of interventions")
+
+
+def _validate(data: Any, where: str) -> SpecFile:
+    if isinstance(data, SpecFile):
+        return data
+    if not isinstance(data, Mapping):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise _fail(where, "", f"the spec is {kind}; it must be a mapping with an `interventions:` list")
+    try:
+        return SpecFile.model_validate(dict(data))
+    except ValidationError as e:
+        # a misspelt field also shows as the real one missing: name the misspelling, it carries the fix
+        errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
+        more = f" [and {len(errors) - 1} more problem(s)]" if len(errors) > 1 else ""
+        raise _fail(where, _field_path(errors[0]["loc"]), _explain(errors[0]) + more) from None
