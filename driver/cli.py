@@ -22,11 +22,10 @@ from typing import Any
 
 import click
 
-from . import preflight, settings
+from . import preflight, quiet, settings
 from .evaluation import Plan, evaluate, lost_workers_line, on_workers, open_model, parse_seeds, save
 from .preflight import BadUsage, Refused
 
-DEMO_TASKS = "orchard_mc,orchard_ppl,orchard_gen"
 # model_args keys that have a flag of their own (a flag and a model_arg must never silently disagree)
 RUN_FLAGS = {
     "pretrained": "--model", "batch_size": "--batch-size", "max_length": "--max-length", "workers": "--workers",
@@ -66,6 +65,7 @@ class _OneLineErrors(click.Group):
     unexpected one)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        quiet.install()
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -159,7 +159,7 @@ def run(
     dashboard: bool,
     steer: str | None,
     stage: bool,
-) -> None:
+) -> Any:
     """Evaluate MODEL on lm-eval TASKS with its requests spread over Ray workers.
 
     Prints lm-eval's table and writes lm-eval's results JSON (and samples) plus summary_*.json under OUTPUT_PATH.
@@ -178,7 +178,7 @@ def run(
         )
         max_length, threads = settings.max_length(max_length), settings.threads(threads)
         extra = settings.model_args(model_args, flags=RUN_FLAGS)
-    _check_workers(workers)
+    _check_workers(workers, address, model)
     preflight.check_address_syntax(address)
     plan.names = _preflight(
         model, extra, output_path=output_path, cache=cache, apply_chat_template=apply_chat_template, tasks=tasks,
@@ -199,13 +199,30 @@ def run(
     # The expensive part starts here: lm-eval indexes its task YAMLs (Python, seconds) while Ray starts (mostly
     # waiting on processes) and the workers load the model.
     indexing = in_background(preflight.task_manager, plan.names, include_path)
-    lm = open_model(args)
-    try:
-        plan.manager = indexing.result()
-        done = evaluate(lm, args, plan, output_path)
-    finally:
-        lm.executor.close()
+    if plan.num_fewshot:  # how many examples each task has is known once its documents load: still before Ray
+        from .evaluation import DATASET_HINT
+        from .fewshot import check_fewshot
+
+        check_fewshot(indexing.result(), plan.names, plan.num_fewshot, DATASET_HINT)
+    with resumable(args["cache"]):
+        lm = open_model(args)
+        try:
+            plan.manager = indexing.result()
+            done = evaluate(lm, args, plan, output_path)
+        finally:
+            lm.executor.close()
     save(done, output_path, time.monotonic() - start)
+    return done
+
+
+@contextlib.contextmanager
+def resumable(cache: str | os.PathLike):
+    """Ctrl-C (or SIGTERM, driver.quiet) stops the command in one line: what finished is in the cache."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo(f"interrupted: finished requests are cached in {cache}; rerun the same command to resume", err=True)
+        raise SystemExit(130) from None
 
 
 def in_background(fn, *args) -> Future:
@@ -222,13 +239,21 @@ def in_background(fn, *args) -> Future:
     return future
 
 
-def _check_workers(workers: str) -> None:
+def _check_workers(workers: str, address: str | None = None, model: str | None = None) -> None:
+    """--workers: a count or all (exit 2); with a model, no more than this machine holds when Ray runs here (exit 1)."""
     from cluster import ClusterError, parse_workers
+    from cluster.limits import check_local
 
     try:
-        parse_workers(workers)
+        n = parse_workers(workers)
     except ClusterError as e:
         raise BadUsage(str(e)) from None
+    if model is None:
+        return
+    try:
+        check_local(n, address, model)
+    except ClusterError as e:
+        raise Refused(str(e)) from None
 
 
 def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: str | None, apply_chat_template: bool,
@@ -253,42 +278,35 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
     default="orchard-out/demo",
     show_default=True,
     type=click.Path(file_okay=False),
-    help="Where the demo model, tasks, results and cache go.",
+    help="Where the demo's tasks, results and cache go.",
 )
 @click.pass_context
 def demo(ctx: click.Context, workers: int, folder: str) -> None:
-    """Offline end-to-end run: a small random-weight model and three local tasks on WORKERS local workers.
+    """Offline end-to-end run: the shipped TinyStories-260K model on three story tasks, WORKERS local workers.
 
-    Writes the model (real tokenizer trained locally) and tasks (multiple choice, rolling perplexity,
-    generation) under DIR, then runs `driver run` on the embedded Ray. Needs no network.
+    Writes the tasks (examples/tinystories: pick the coherent continuation, perplexity of short stories, finish
+    a sentence) under DIR/tasks, runs `driver run` on the embedded Ray and shows a few of the model's
+    continuations. Needs no network.
     """
     if workers < 1:
         raise BadUsage(f"--workers {workers}: at least 1 worker is needed")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from testbed.models import write_model
+    from testbed.stories import MODEL, TASKS, write_story_tasks
 
-    from testbed.tasks import write_tasks
-
+    if not (MODEL / "config.json").is_file():
+        raise Refused(f"the demo model is not at {MODEL}: run the demo from a clone of the project (pip install -e .)")
     root = Path(folder)
-    model = root / "model"
-    if not (model / "config.json").exists():
-        write_model(model, arch="llama")
-    tasks = write_tasks(root / "tasks")
-    ctx.invoke(
-        run,
-        model=str(model),
-        tasks=DEMO_TASKS,
-        workers=str(workers),
-        address="local",
-        include_path=str(tasks),
-        output_path=str(root / "out"),
-        max_length=128,
-        batch_size="8",
-        model_args="max_batch_tokens=512",
-        threads=1,
-        steer=None,
-    )
+    preflight.writable_folder(root, "--dir")
+    tasks = write_story_tasks(root / "tasks")
+    done = ctx.invoke(
+        run, model=str(MODEL), tasks=",".join(TASKS), workers=str(workers), address="local", include_path=str(tasks),
+        output_path=str(root / "out"), log_samples=True, batch_size="8", threads=1, steer=None,
+    )  # fmt: skip
+    click.echo("\nthe model's own words (tinystories_gen, greedy):")
+    for sample in done.results["samples"]["tinystories_gen"][:3]:
+        click.echo(f"  ...{sample['doc']['prompt'][-48:]} → {sample['resps'][0][0].strip()}")
+    click.echo(f"\ntasks: {tasks} (try: driver run --model {MODEL} --include-path {tasks} --tasks tinystories_mc)")
 
 
 @main.command()
@@ -303,24 +321,27 @@ def demo(ctx: click.Context, workers: int, folder: str) -> None:
 @click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
 @click.option("--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16.")
 @click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
+@click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: cache/ beside OUT.")
 def vectors(
     model: str, pairs: str, layers: str, site: str, method: str, position: str, out: str, workers: str,
-    address: str | None, model_args: str, threads: int | None,
+    address: str | None, model_args: str, threads: int | None, cache: str | None,
 ) -> None:  # fmt: skip
     """Extract steering vectors from contrastive PAIRS: one per layer, written to OUT (usable as a spec's `vector`).
 
     Every pair's two texts run on the workers; the activations at POSITION are combined in a fixed order
-    (mean difference by default), so the vectors do not depend on the number of workers.
+    (mean difference by default), so the vectors do not depend on the number of workers. Each text's
+    activations are cached: a rerun computes nothing, a changed pair only that pair.
     """
-    from . import vectors as vec
+    from worker.load import context_window
 
+    from . import vectors as vec
     from .steer import model_shape
 
     start = time.monotonic()
     with _usage():  # settings (exit 2), then what they name (exit 1), all before a worker starts
         threads = settings.threads(threads)
         args = {**settings.model_args(model_args, flags=VECTORS_FLAGS), "pretrained": model, "workers": workers}
-    _check_workers(workers)
+    _check_workers(workers, address, model)
     preflight.check_address_syntax(address)
     try:
         at = vec.parse_position(position)
@@ -329,16 +350,23 @@ def vectors(
     preflight.writable_file(out, "--out")
     folder = preflight.check_model(model, args.get("revision"), args.get("adapter_path"))
     preflight.check_tokenizer(folder)
-    if args.get("cache"):
-        preflight.check_cache(args["cache"], "--model-args cache")
+    flag = "--cache" if cache or not args.get("cache") else "--model-args cache"
+    args["cache"] = cache or args.get("cache") or str(Path(out).expanduser().absolute().parent / "cache")
+    preflight.check_cache(args["cache"], flag)
     try:
         read = vec.read_pairs(pairs)
     except ValueError as e:
         raise Refused(str(e).strip().splitlines()[0]) from None
+    config = preflight.model_config(folder)
     try:
-        resolved = vec.parse_layers(layers, model_shape(preflight.model_config(folder))[0])
+        resolved = vec.parse_layers(layers, model_shape(config)[0])
     except ValueError as e:
         raise BadUsage(f"--layers {layers}: {_one_line(str(e))}") from None
+    encode = vec.head_encoder(folder, bool(args.get("trust_remote_code")))
+    try:  # every pair tokenized on the head as the capture will be, before Ray starts
+        vec.check_pairs(pairs, read, encode, method, at, context_window(config, args.get("max_length")))
+    except ValueError as e:
+        raise Refused(_one_line(str(e))) from None
     preflight.check_address(address)
     for name, value in (("address", address), ("threads", threads)):
         if value is not None:
@@ -346,7 +374,7 @@ def vectors(
     lm = open_model(args)
     try:
         capture = lambda requests, points: lm.executor.run(lm.job("capture", points=tuple(points)), requests)  # noqa: E731
-        found = vec.extract(capture, lm.tok_encode, read, resolved, site, method, at)
+        found = vec.extract(capture, encode, read, resolved, site, method, at)
         info = lm.executor.info()
     except ValueError as e:
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
@@ -359,7 +387,8 @@ def vectors(
     )
     vec.write_vectors(out, found, meta)
     seconds = time.monotonic() - start
-    click.echo(f"{len(found)} vectors from {len(read)} pairs {on_workers(info)} in {seconds:.1f} s: {out}")
+    cached = f"{info['requests_cached']} of {2 * len(read)} texts from the cache, "
+    click.echo(f"{len(found)} vectors from {len(read)} pairs ({cached}{args['cache']}) {on_workers(info)} in {seconds:.1f} s: {out}")
 
 
 @main.command("sweep")
@@ -381,37 +410,47 @@ def sweep_command(
 
     The whole file (model, vectors, layers, tasks, prompts) is checked before any worker starts. Every finished
     request is cached under OUTPUT/cache: rerun an interrupted or grown sweep and only what is missing runs.
+    One sweep writes to OUTPUT at a time; a rerun replaces the outputs of the previous one (never the cache).
     """
-    from . import report
+    from . import outdir, report
     from .sweep import SweepError, load_sweep
     from .sweep import run as run_sweep
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _check_workers(workers)
-    try:
-        plan = load_sweep(sweep_file)
-    except SweepError as e:
-        raise click.ClickException(str(e)) from None
     folder = Path(output) if output else Path("orchard-out") / Path(sweep_file).stem
     preflight.writable_folder(folder, "--output")
+    try:
+        outdir.refuse_if_busy(folder)  # one writer per folder: a second sweep is refused before any work
+        plan = load_sweep(sweep_file)
+    except (SweepError, outdir.FolderBusy) as e:
+        raise click.ClickException(str(e)) from None
     preflight.check_cache(cache or folder / "cache", "--cache" if cache else "the result cache")
     preflight.check_address(address)
+    try:
+        held = outdir.lock(folder)  # until this process exits
+    except outdir.FolderBusy as e:
+        raise click.ClickException(str(e)) from None
     try:
         outcome = run_sweep(
             plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, stage=stage, echo=click.echo
         )
+        written = report.write_outputs(outcome, folder)
     except KeyboardInterrupt:
         kept = cache or folder / "cache"
         click.echo(f"interrupted: finished requests are cached in {kept}; rerun the same command to resume", err=True)
         raise SystemExit(130) from None
     except ValueError as e:  # a request the model refuses (e.g. a prompt longer than the context window)
         raise click.ClickException(" ".join(str(e).split())) from None
-    written = report.write_outputs(outcome, folder)
+    finally:
+        outdir.unlock(held)
     facts = report.run_facts(outcome.info, outcome.seconds)
     click.echo(
-        f"{len(plan.grid)} configurations + baseline, {len(outcome.rows)} result rows {on_workers(facts)} in "
+        f"{len(plan.grid)} configuration{'s' * (len(plan.grid) != 1)} + baseline, {len(outcome.rows)} result rows {on_workers(facts)} in "
         f"{facts['wall_s']:.1f} s ({facts['requests_computed']} requests computed, {facts['requests_cached']} from cache)"
     )
+    for line in report.problems(outcome.rows, written):
+        click.echo(line, err=True)
     click.echo(f"results: {folder} (summary.md, results.csv, {2 * len(written['plots'])} plots)")
 
 

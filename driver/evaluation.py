@@ -56,7 +56,8 @@ def on_workers(facts: dict, ray: bool = False) -> str:
     if not facts["workers"]:
         return "on no workers (every result came from the cache)"
     where = f" (Ray at {facts['address']})" if ray else ""
-    return f"on {facts['workers']} workers on {facts['nodes']} node{'s' * (facts['nodes'] != 1)}{where}"
+    workers, nodes = facts["workers"], facts["nodes"]
+    return f"on {workers} worker{'s' * (workers != 1)} on {nodes} node{'s' * (nodes != 1)}{where}"
 
 
 def _print_summary(summary: dict) -> None:
@@ -112,6 +113,10 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     from cluster import ClusterError
     from worker.load import ModelLoadError
 
+    from .finite import NonFiniteScore
+    from .quiet import quiet_lm_eval
+
+    quiet_lm_eval()
     tracker = EvaluationTracker(output_path=output_path)
     try:
         results = lm_eval.simple_evaluate(
@@ -131,7 +136,7 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
         )
     except ClusterError as e:
         raise click.ClickException(lost_workers_line(str(e), lm)) from None
-    except ModelLoadError as e:  # a worker cannot load the model (staged copy missing, too large for its node)
+    except (ModelLoadError, NonFiniteScore) as e:  # a worker cannot load the model; a NaN/inf log-likelihood
         raise click.ClickException(str(e)) from None
     except ConnectionError as e:  # `datasets` cannot fetch a task's data (offline, or the Hub unreachable)
         raise click.ClickException(f"a task's dataset cannot be loaded: {e}: {DATASET_HINT}") from None

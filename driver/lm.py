@@ -28,9 +28,10 @@ from worker.jobs import run
 from worker.load import context_window, fingerprint, is_local, load, resolve
 from worker.spec import NO_STEERING, Batching, Job, ModelSpec, Steering
 
+from .finite import check_scores, finite_generation
 from .schedule import gather
 from .tokenize import Plan, empty_context, iter_encode_pairs, make_plan
-from .steer import check, load_steering, model_shape
+from .steer import for_model, warn_once
 
 TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
 _TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -76,7 +77,9 @@ class LocalExecutor:
             print(f"note: MLX runs on its reference BLAS here; start Python with LD_PRELOAD={fast_blas()} for ~10x", file=sys.stderr)
 
     def run(self, job: Job, requests: Iterable, total: int | None = None) -> list:
-        return run(self.lm, job, gather(requests, total), self.batching)
+        results = run(self.lm, job, gather(requests, total), self.batching)
+        warn_once(results)  # the steering's notes (e.g. it swamps the residual stream), once per run
+        return results
 
     def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]:
         """Results [configuration][request], each equal to `run(Job(kind=kind, steering=s), requests)[i]`;
@@ -131,8 +134,8 @@ def model_steering(steer: str | dict | Steering | None, config: dict) -> tuple[S
     and what the results record of it (None without steering)."""
     if steer is None or steer == "":
         return NO_STEERING, None
-    loaded = load_steering(steer)
-    steering = check(loaded.steering, *model_shape(config))
+    loaded = for_model(steer, config)
+    steering = loaded.steering
     return steering, {**loaded.record, "key": steering.key(), "resolved_layers": [i.layer for i in steering.interventions]}
 
 
@@ -283,6 +286,7 @@ class OrchardLM(TemplateLM):
             bar.close()
 
         results = self.executor.run(self.job("loglikelihood"), encoded(), total=len(pairs))
+        check_scores(requests, results, self.steering)
         for args, answer in zip(pairs, results):
             self.cache_hook.add_partial("loglikelihood", args, answer)
         return results
@@ -315,6 +319,7 @@ class OrchardLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         pairs = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
         results = self.executor.run(self.job("loglikelihood"), pairs)
+        check_scores(pairs, results, self.steering)
         for (key, _, _), answer in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -338,6 +343,7 @@ class OrchardLM(TemplateLM):
         totals = [0.0] * len(requests)
         for n, (logprob, _) in zip(owners, self.executor.run(self.job("loglikelihood"), windows)):
             totals[n] += logprob
+        check_scores(requests, totals, self.steering)
         for r, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
         return totals
@@ -370,7 +376,8 @@ class OrchardLM(TemplateLM):
             key = json.dumps([context, gen_kwargs], sort_keys=True, default=str)
             gen_requests.append(self.generation_request(context, gen_kwargs, seen[key]))
             seen[key] += 1
-        outputs = self.executor.run(self.job("generate"), gen_requests)
+        with finite_generation(requests, self.steering):
+            outputs = self.executor.run(self.job("generate"), gen_requests)
         for r, text in zip(requests, outputs):
             self.cache_hook.add_partial("generate_until", r.args, text)
         return outputs

@@ -2,10 +2,12 @@
 
 In the order `driver run` runs them: the output folder (writable, not inside a file), the result cache (a folder
 that can hold it, and an existing `results.sqlite` that is an Orchard cache: never overwritten), the model (a
-local folder with config and weights, or a Hub repo id that resolves: offline, it must be in the HF cache), its
-tokenizer (and chat template with --apply-chat-template), the task names and the YAMLs of --include-path (a
-malformed YAML is named with its file and line), the steering spec against the model's shape, and the cluster
-address (cluster.connect.resolve: syntax, reachable, token authentication).
+local folder with config and weights whose safetensors headers fit their files and the config, or a Hub repo id
+that resolves: offline, it must be in the HF cache), its tokenizer (its files parse; the chat template with
+--apply-chat-template), the task names and the YAMLs of --include-path (a malformed YAML is named with its file
+and line), the steering spec against the model's shape, and the cluster address (cluster.connect.resolve:
+syntax, reachable, token authentication). `--num-fewshot` is checked against each task's examples once the
+tasks' documents load (driver.fewshot), still before Ray.
 
 Exit codes, as the CLI uses them: `BadUsage` (2) for a command line that cannot be right whatever the machine
 (a flag's value, an unknown task name); `Refused` (1) for a command line that is fine but names something that
@@ -198,6 +200,12 @@ def check_tokenizer(folder: Path, apply_chat_template: bool = False) -> None:
     names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
     if not any(n in names for n in _TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
         raise Refused(f"no tokenizer in {folder} (tokenizer.json, tokenizer.model or vocab files): copy the model's tokenizer files there")
+    from worker.files import FileProblem, check_tokenizer_files
+
+    try:  # for a Hub model's snapshot; a local folder's were checked with it (worker.load.validate_local)
+        check_tokenizer_files(folder)
+    except FileProblem as e:
+        raise Refused(str(e)) from None
     if not apply_chat_template:
         return
     if "chat_template.jinja" in names or "chat_template.json" in names:
@@ -402,10 +410,10 @@ def task_manager(names: list[str], include_path: str | None):
 
 
 def check_steering(steer: str, config: dict) -> None:
-    from .steer import SteeringError, check, load_steering, model_shape
+    from .steer import SteeringError, for_model
 
     try:
-        check(load_steering(steer).steering, *model_shape(config))
+        for_model(steer, config)
     except (SteeringError, ValueError, OSError) as e:
         raise Refused((str(e).strip().splitlines() or [type(e).__name__])[0]) from None
 

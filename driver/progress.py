@@ -55,7 +55,7 @@ class Progress:
         rates = [f"{name.split('@')[0]} {self.done[name] / seconds:.1f}/s {self.done[name] / total:.0%}" for name in self.names]
         parts = [self.note] if self.note else []
         parts += [f"{self.cached} cached"] if self.cached else []
-        self.bar.set_description_str(f"{self.what} on {len(self.names)} workers", refresh=False)
+        self.bar.set_description_str(f"{self.what} on {len(self.names)} worker{'s' * (len(self.names) != 1)}", refresh=False)
         self.bar.set_postfix_str(" | ".join(parts + rates), refresh=False)
 
     def close(self) -> None:

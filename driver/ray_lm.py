@@ -23,6 +23,7 @@ import numpy as np
 from lm_eval.api.registry import register_model
 
 from cluster import ClusterError, Pool, WorkerActor, connect, held_files, launch, parse_workers, ready, stop, worker_count
+from cluster.limits import check_local
 from worker.grid import GRID_BLOCK, distinct, split_point
 from worker.grid import KINDS as GRID_KINDS
 from worker.load import is_local
@@ -34,6 +35,7 @@ from .cache import keys as cache_keys
 from .lm import OrchardLM, _bool
 from .progress import Progress
 from .schedule import PER_WORKER, POLL_IDLE, Feed, Merge, WorkersLost, cut, dispatch
+from .steer import warn_once
 
 
 @dataclass
@@ -60,10 +62,15 @@ _FROM_CACHE = {"capture": lambda v: np.asarray(v, dtype=np.float32)}
 
 
 def _stage(spec: ModelSpec) -> str:
-    """Stage the model on every `mlx` node (cluster.stage); the model string the workers load."""
+    """Stage the model on every `mlx` node (cluster.stage); the model string the workers load. A staging
+    failure is a ClusterError: one line, as every other cluster problem."""
     from cluster.stage import stage
+    from worker.staged import StageError
 
-    report = stage(spec.model, revision=spec.revision)
+    try:
+        report = stage(spec.model, revision=spec.revision)
+    except StageError as e:
+        raise ClusterError(" ".join(str(e).split())) from None
     moved = sum(n.bytes_sent for n in report.nodes) / 1e6
     print(f"staged {spec.model} on {len(report.nodes)} nodes ({moved:.1f} MB moved)", file=sys.stderr)
     return report.staged_model
@@ -167,6 +174,7 @@ class RayExecutor:
         start now and load the model while lm-eval builds its requests.
         """
         self._requested = parse_workers(workers)
+        check_local(self._requested, address, spec.model)  # before anything starts: workers this machine can hold
         self._options = {"address": address, "dashboard": dashboard, "stage": stage, "threads": threads,
                         "max_restarts": max_restarts, "actor_cls": actor_cls}  # fmt: skip
         self.spec, self.batching, self.max_length = spec, batching, max_length
@@ -288,6 +296,7 @@ class RayExecutor:
 
         def on_result(w: int, c: int, value: tuple[list[int], list]) -> None:
             indices, results = value
+            warn_once(results)  # the steering's notes (e.g. it swamps the residual stream), once per run
             intake.merge.add(indices, results)
             if self.cache is not None:
                 self._store((intake.keys[i], encode(r)) for i, r in zip(indices, results))
@@ -347,7 +356,7 @@ class RayExecutor:
         n_configs, n = len(configs), len(requests)
         merges, keys = self._grid_from_cache(kind, configs, requests)
         chunks: list[tuple[tuple[int, ...], list[int]]] = []
-        self.progress.expect(n_configs * n, sum(m.count for m in merges), f"{kind} grid of {n_configs} configurations")
+        self.progress.expect(n_configs * n, sum(m.count for m in merges), f"{kind} grid of {n_configs} configuration{'s' * (n_configs != 1)}")
         encode = _TO_CACHE.get(kind, lambda v: v)
         done_configs = [sum(m.count == n for m in merges)]
 

@@ -647,7 +647,7 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
     lm = open_model(args)
     try:
         placed = lm.executor.info()["workers"]  # none yet when the cache holds this model's results
-        echo(f"sweep: {len(configs) - 1} configurations + the baseline" + (f" on {placed} workers" if placed else ""))
+        echo(f"sweep: {len(configs) - 1} configuration{'s' * (len(configs) != 2)} + the baseline" + (f" on {placed} worker{'s' * (placed != 1)}" if placed else ""))
         # 1. lm-eval, unsteered: the baseline's metrics, and the requests every configuration sends
         calls: list = []
         results: dict[str, dict] = {}

@@ -4,6 +4,7 @@ real subprocesses; these run in process, and check the Python API's model_args a
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -156,3 +157,200 @@ def test_run_summaries_say_where_the_results_came_from():
     assert on_workers({"workers": 0, "nodes": 0, "address": None}) == "on no workers (every result came from the cache)"
     assert on_workers({"workers": 2, "nodes": 1, "address": "local"}, ray=True) == "on 2 workers on 1 node (Ray at local)"
     assert on_workers({"workers": 4, "nodes": 2, "address": "10.0.0.1:6379"}) == "on 4 workers on 2 nodes"
+
+
+# --- what a user meets in a real run: real subprocesses on an embedded Ray (issue 15) ------------------------------
+
+NOISE = ("PyTorch was not found", "aggregation is not", "higher_is_better is not", "fatal:", "1 workers", "Traceback")
+# Hides PyTorch from transformers, as on a fresh install without the test extras (imported first via PYTHONPATH).
+NO_TORCH = '''
+import sys
+from importlib.machinery import PathFinder
+
+
+class NoTorch:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        return None if name == "torch" or name.startswith("torch.") else PathFinder.find_spec(name, path, target)
+
+    @classmethod
+    def invalidate_caches(cls):
+        PathFinder.invalidate_caches()
+
+    @classmethod
+    def find_distributions(cls, *args, **kwargs):
+        return PathFinder.find_distributions(*args, **kwargs)
+
+
+sys.meta_path[:] = [NoTorch if f is PathFinder else f for f in sys.meta_path]
+'''
+
+
+def driver_env(tmp_path, hide_torch: bool = False) -> dict:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "PYTEST_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0")
+    if hide_torch:
+        (tmp_path / "site").mkdir(exist_ok=True)
+        (tmp_path / "site" / "sitecustomize.py").write_text(NO_TORCH)
+        env["PYTHONPATH"] = str(tmp_path / "site")
+    return env
+
+
+def driver(tmp_path, *args: str, hide_torch: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m driver ARGS` in `tmp_path` (not a git repository), offline, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "driver", *map(str, args)], capture_output=True, text=True, cwd=tmp_path,
+        env=driver_env(tmp_path, hide_torch), timeout=timeout,
+    )  # fmt: skip
+
+
+def one_error(proc: subprocess.CompletedProcess) -> str:
+    shown = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, shown
+    return errors[0]
+
+
+def _metric(table: str, task: str, metric: str) -> float:
+    """A value from lm-eval's printed table (a task's later metrics sit on rows with an empty task cell)."""
+    current = None
+    for row in table.splitlines():
+        cells = [c.strip() for c in row.split("|")]
+        if len(cells) < 8:
+            continue
+        current = cells[1] or current
+        if current == task and cells[5] == metric:
+            return float(cells[7])
+    raise AssertionError(f"no {task} {metric} in:\n{table}")
+
+
+@pytest.mark.slow
+def test_demo_runs_the_real_model_and_its_numbers_mean_something(tmp_path):
+    """The demo on TinyStories-260K: the coherent continuation is picked far above chance (1 in 4), short stories
+    have a sane perplexity (a random-weight model: ~1e8 words), most sentences are finished with the right word."""
+    proc = driver(tmp_path, "demo", "--workers", "1", "--dir", tmp_path / "demo", hide_torch=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _metric(proc.stdout, "tinystories_mc", "acc") >= 0.6
+    assert _metric(proc.stdout, "tinystories_mc", "acc_norm") >= 0.6
+    assert 5 < _metric(proc.stdout, "tinystories_ppl", "word_perplexity") < 60
+    assert _metric(proc.stdout, "tinystories_ppl", "bits_per_byte") < 1.5
+    assert _metric(proc.stdout, "tinystories_gen", "exact_match") >= 0.5
+    assert "on 1 worker on 1 node" in proc.stdout
+    assert "Lily loved her red → ball" in proc.stdout  # a generation, shown
+    assert not [n for n in NOISE if n in proc.stdout + proc.stderr], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_run_is_quiet_about_what_the_user_cannot_change(llama_path, tasks_dir, tmp_path):
+    """No PyTorch notice (Orchard never needs it), no lm-eval default-aggregation notes (orchard_ppl leaves them
+    out), no git `fatal:` outside a repository, and "1 worker", in a real run without PyTorch."""
+    proc = driver(
+        tmp_path, "run", "--model", llama_path, "--tasks", "orchard_ppl", "--include-path", tasks_dir, "--workers", "1",
+        "--limit", "1", "--output-path", tmp_path / "out", hide_torch=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on 1 worker on 1 node" in proc.stdout
+    assert not [n for n in NOISE if n in proc.stdout + proc.stderr], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_nan_log_likelihood_fails_the_run_in_one_line(stories_path, tmp_path):
+    """Finite weights whose logits overflow (the final norm's weights at 3e38): every log-likelihood is NaN, which
+    must fail the run naming the task and the document, never print `acc 0`."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    model = shutil.copytree(stories_path, tmp_path / "overflow")
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], 3e38)
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    from testbed.stories import write_story_tasks
+
+    tasks = write_story_tasks(tmp_path / "tasks")
+    proc = driver(tmp_path, "run", "--model", model, "--tasks", "tinystories_mc", "--include-path", tasks, "--workers", "1",
+                  "--output-path", tmp_path / "out")  # fmt: skip
+    assert one_error(proc) == (
+        "Error: task tinystories_mc, document 0 (request 0 of that document): the log-likelihood is nan: check the "
+        "model's weights (a damaged file) and the steering (its alpha and vectors)"
+    )
+    assert "acc" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_non_finite_weights_fail_the_run_in_one_line(llama_path, tasks_dir, tmp_path):
+    from worker.files import safetensors_header
+
+    model = shutil.copytree(llama_path, tmp_path / "nan-model")
+    weights = model / "model.safetensors"
+    name, info = next(iter(sorted(safetensors_header(weights).items())))
+    with weights.open("r+b") as fh:  # 4 KB of 0xFF (float32 NaNs) at the start of a tensor's data
+        fh.seek(8 + int.from_bytes(weights.read_bytes()[:8], "little") + info["data_offsets"][0])
+        fh.write(b"\xff" * min(4096, info["data_offsets"][1] - info["data_offsets"][0]))
+    proc = driver(tmp_path, "run", "--model", model, "--tasks", "orchard_mc", "--include-path", tasks_dir, "--workers", "1",
+                  "--output-path", tmp_path / "out")  # fmt: skip
+    assert f"{model}: weight {name} in model.safetensors holds NaN or infinite values: the file is damaged" in one_error(proc)
+
+
+def _long_sweep(folder, model) -> str:
+    """A sweep of one steering configuration generating 400 tokens for each of 12 prompts."""
+    import json
+
+    import numpy as np
+
+    np.save(folder / "v.npy", np.ones(64, dtype=np.float32))
+    (folder / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Once upon a time {i}"}) + "\n" for i in range(12)))
+    sweep = f"""model:
+  pretrained: {model}
+vectors:
+  v: {{file: v.npy}}
+grid:
+  layers: [0]
+  alphas: [1.0]
+prompts:
+  - {{file: prompts.jsonl, max_gen_toks: 400, until: ["QQQQ"]}}
+"""
+    (folder / "sweep.yaml").write_text(sweep)
+    return str(folder / "sweep.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_sigterm_stops_a_run_like_ctrl_c(llama_path, tasks_dir, tmp_path, command):
+    """SIGTERM mid-run (or mid-sweep): the "interrupted ... rerun to resume" line, exit 130, Ray shut down (none of
+    its processes left), no C++ stack dump or "Aborted"."""
+    import signal
+    import tempfile
+    import time
+
+    import psutil
+
+    ray_tmp = tempfile.mkdtemp(prefix="oc", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    env = {**driver_env(tmp_path), "RAY_TMPDIR": ray_tmp}
+    args = ["run", "--model", llama_path, "--tasks", "orchard_gen", "--include-path", tasks_dir, "--workers", "1",
+            "--batch-size", "1", "--gen-kwargs", "max_gen_toks=400,until=QQQQ", "--output-path", tmp_path / "out"]  # fmt: skip
+    if command == "sweep":
+        args = ["sweep", _long_sweep(tmp_path, llama_path), "--workers", "1", "--output", tmp_path / "out"]
+    proc = subprocess.Popen([sys.executable, "-m", "driver", *map(str, args)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "out" / "cache" / "results.sqlite").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # Ray is up and its worker is loading or generating
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:  # a hung run (the bug this test is for) must not outlive it, nor its Ray
+        if proc.poll() is None:
+            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                p.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130, err[-3000:]
+    assert lines[-1].startswith(f"interrupted: finished requests are cached in {tmp_path / 'out' / 'cache'}"), err[-3000:]
+    assert "SIGTERM received" not in err and "Aborted" not in err and "Traceback" not in err, err[-3000:]
+    time.sleep(3)
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or ())]
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not left, f"Ray processes left running: {left}"

@@ -234,11 +234,148 @@ PREFLIGHT = [
 ]  # fmt: skip
 
 
+def _spec(text: str) -> Setup:
+    """A steering spec (YAML `text`) beside a 64-wide vector v.npy (the tiny llama's hidden size)."""
+
+    def setup(w: World, case: Path) -> list[str]:
+        import numpy as np
+
+        np.save(case / "v.npy", np.linspace(-2, 2, 64).astype(np.float32))
+        return ["--steer", str(_file(case / "steer.yaml", text))]
+
+    return setup
+
+
+def _pairs_file(*lines: dict) -> Setup:
+    def setup(w: World, case: Path) -> list[str]:
+        _file(case / "pairs.jsonl", "".join(json.dumps(line) + "\n" if line else "\n" for line in lines))
+        return []
+
+    return setup
+
+
+_HAPPY = {"positive": "the happy dog ran home", "negative": "the sad dog ran home"}
+_SHORT = {"positive": "a yes", "negative": "a no"}
+
+def _damaged_model(damage: Callable[[Path], object]) -> Setup:
+    """A copy of the tiny llama with one file damaged by `damage(folder)`."""
+
+    def setup(w: World, case: Path) -> list[str]:
+        folder = Path(shutil.copytree(w.model, case / "model"))
+        damage(folder)
+        return ["--model", str(folder)]
+
+    return setup
+
+
+def _truncate(path: Path) -> None:
+    with path.open("r+b") as fh:
+        fh.truncate(path.stat().st_size // 2)
+
+
+def _config_says(**changes) -> Setup:
+    def damage(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return _damaged_model(damage)
+
+
+_HELD: list[int] = []  # output-folder locks this test process holds, as a running sweep would
+
+
+def _sweep(w: World, case: Path, tasks: str = "", alphas: str = "[2.0]", prompt_set: str = "") -> list[str]:
+    """A sweep file over the test model with one vector, a one-line prompt set and `tasks`; returns its path."""
+    import numpy as np
+
+    np.save(case / "v.npy", np.ones(64, dtype=np.float32))
+    _file(case / "prompts.jsonl", json.dumps({"prompt": "The dog was", "targets": {"positive": " happy", "negative": " sad"}}) + "\n")
+    text = (f"model: {{pretrained: {w.model}, max_length: 64}}\nvectors:\n  v: {{layers: {{0: v.npy}}}}\n"
+            f"grid: {{layers: [0], alphas: {alphas}}}\nprompts:\n  - {{file: prompts.jsonl, max_gen_toks: 4{prompt_set}}}\n{tasks}")  # fmt: skip
+    return [str(_file(case / "sweep.yaml", text))]
+
+
+def _busy_sweep(w: World, case: Path) -> list[str]:
+    from driver import outdir
+
+    _HELD.append(outdir.lock(case / "busy"))
+    return _sweep(w, case)
+
+
+SWEEP = ["--workers", "1", "--output", "{case}/out"]
+
 # First contact (issue 15): one list per area, each owned by the code that makes the refusal.
-STEERING_ROWS: list[Case] = []  # steering specs, vectors, pairs
-SWEEP_ROWS: list[Case] = []  # sweep files and their outputs
-MODEL_ROWS: list[Case] = []  # model files, tokenizer, tasks, run flags, demo
-CLUSTER_ROWS: list[Case] = []  # workers on this machine, staging, cluster commands
+STEERING_ROWS: list[Case] = [  # steering specs, vectors, pairs
+    Case("steer alpha inf in float32", "run", [], 1, "steer.yaml: interventions[0].alpha: alpha reaches 1e+39, which is inf in float32",
+         setup=_spec("interventions:\n  - {layer: 0, vector: v.npy, alpha: 1.0e+39}\n")),
+    Case("steer alpha*v inf in float32", "run", [], 1, "interventions[0].alpha: alpha*vector reaches 6e+38, which is inf in float32",
+         setup=_spec("interventions:\n  - {layer: 0, vector: v.npy, alpha: 3.0e+38}\n")),
+    Case("steer alpha given twice", "run", [], 1, "steer.yaml: key 'alpha' is given twice (lines 4 and 5): keep one",
+         setup=_spec("interventions:\n  - layer: 0\n    vector: v.npy\n    alpha: 2.0\n    alpha: 50.0\n")),
+    Case("steer interventions given twice", "run", [], 1, "steer.yaml: key 'interventions' is given twice (lines 1 and 3)",
+         setup=_spec("interventions:\n  - {layer: 0, vector: v.npy}\ninterventions: []\n")),
+    Case("steer interventions with no value", "run", [], 1, "steer.yaml: interventions: has no value: list the interventions",
+         setup=_spec("interventions:\n")),
+    Case("steer negative layer out of range", "run", [], 1, "interventions[0].layer: -3 is out of range for a model with 2 layers",
+         setup=_spec("interventions:\n  - {layer: -3, vector: {file: v.safetensors}}\n")),
+    Case("sweep key given twice", "sweep", ["{case}/s.yaml"], 1, "s.yaml: key 'model' is given twice (lines 1 and 2): keep one",
+         common=False, setup=lambda w, c: _file(c / "s.yaml", "model: {pretrained: a}\nmodel: {pretrained: b}\n") and []),
+    Case("vectors sides identical", "vectors", VEC, 1, "pairs.jsonl: line 3: the positive and negative texts are the same tokens",
+         common=False, setup=_pairs_file(_HAPPY, None, {"positive": "same", "negative": "same"})),
+    Case("vectors pca-diff one pair", "vectors", [*VEC, "--method", "pca-diff"], 1, "pca-diff needs at least 2 pairs",
+         common=False, setup=_pairs_file(_HAPPY)),
+    Case("vectors pca-center one pair", "vectors", [*VEC, "--method", "pca-center"], 1, "pca-center needs at least 2 pairs",
+         common=False, setup=_pairs_file(_HAPPY)),
+    Case("vectors position -500", "vectors", [*VEC, "--position", "-500"], 1,
+         "pairs.jsonl: line 1: position -500 is outside the 11 tokens of its positive text", common=False, setup=_pairs_file(_HAPPY)),
+    Case("vectors position in a later pair", "vectors", [*VEC, "--position", "-5"], 1,
+         "pairs.jsonl: line 3: position -5 is outside the 4 tokens of its negative text", common=False,
+         setup=_pairs_file(_HAPPY, None, _SHORT)),
+    Case("vectors position cut off", "vectors", [*VEC, "--position", "1", "--model-args", "max_length=4"], 1,
+         "line 1: position 1 falls in the first 7 tokens, cut off to fit the model's context of 4, of the 11 tokens", common=False,
+         setup=_pairs_file(_HAPPY)),
+]  # fmt: skip
+SWEEP_ROWS: list[Case] = [  # sweep files and their outputs
+    Case("sweep second writer", "sweep", ["--workers", "1", "--output", "{case}/busy"], 1,
+         "another sweep is writing to this folder", setup=_busy_sweep, common=False),
+    Case("sweep unknown task", "sweep", SWEEP, 1, "tasks.names: unknown task 'no_such_task'", common=False,
+         setup=lambda w, case: _sweep(w, case, tasks=f"tasks: {{names: [no_such_task], include_path: {w.tasks}}}\n")),
+    Case("sweep alpha inf in float32", "sweep", SWEEP, 1, "grid.alphas: 1e+39 (vector v, layer 0, resid_post, add)", common=False,
+         setup=lambda w, case: _sweep(w, case, alphas="[2.0, 1.0e+39]")),
+    Case("sweep target_score typo", "sweep", SWEEP, 1, "prompts[0].target_score: 'avg' is not allowed (use 'sum' or 'mean')",
+         setup=lambda w, case: _sweep(w, case, prompt_set=", target_score: avg"), common=False),
+    Case("sweep output is a file", "sweep", ["--workers", "1", "--output", "{case}/f"], 2, "/f' is a file", setup=lambda w, case: [*_a_file(w, case), *_sweep(w, case)], common=False),
+]  # fmt: skip
+MODEL_ROWS: list[Case] = [  # model files, tokenizer, tasks, run flags, demo
+    Case("safetensors truncated", "run", [], 1, "model.safetensors is truncated: ",
+         setup=_damaged_model(lambda m: _truncate(m / "model.safetensors"))),
+    Case("safetensors not safetensors", "run", [], 1, "model.safetensors is not a safetensors file",
+         setup=_damaged_model(lambda m: _file(m / "model.safetensors", b"\xff" * 4096))),
+    Case("config hidden size mismatch", "run", [], 1,
+         "config.json says hidden size 128 but model.embed_tokens.weight in model.safetensors is ", setup=_config_says(hidden_size=128)),
+    Case("config vocab mismatch", "run", [], 1, "config.json says vocab_size 7 but model.embed_tokens.weight",
+         setup=_config_says(vocab_size=7)),
+    Case("config more layers than weights", "run", [], 1, "config.json says 9 layers but the weights hold 2",
+         setup=_config_says(num_hidden_layers=9)),
+    Case("tokenizer.json malformed", "run", [], 1, "tokenizer.json is not valid JSON (Expecting property name",
+         setup=_damaged_model(lambda m: _file(m / "tokenizer.json", '{"version": "1.0",\n'))),
+    Case("tokenizer.json not a tokenizer", "run", [], 1, "tokenizer.json is not a tokenizer the `tokenizers` library can load",
+         setup=_damaged_model(lambda m: _file(m / "tokenizer.json", '{"version": "1.0"}'))),
+    Case("vectors tokenizer malformed", "vectors", VEC, 1, "tokenizer.json is not valid JSON", common=False,
+         setup=_damaged_model(lambda m: (_file(m / "tokenizer.json", "{"), _pairs(None, m.parent)))),
+    Case("num-fewshot beyond the examples", "run", ["--num-fewshot", "1000"], 2,
+         "--num-fewshot 1000: task orchard_mc has 8 few-shot examples: give --num-fewshot 8 or less"),
+    Case("demo workers 0", "demo", ["--workers", "0", "--dir", "{case}/out"], 2, "--workers 0: at least 1 worker is needed",
+         common=False),
+    Case("demo dir is a file", "demo", ["--dir", "{case}/f"], 2, "Invalid value for '--dir': Directory", setup=_a_file,
+         common=False),
+]  # fmt: skip
+CLUSTER_ROWS: list[Case] = [  # workers on this machine, staging, cluster commands
+    Case("workers 1000 local", "run", ["--workers", "1000", "--address", "local"], 1,
+         "--workers 1000 with Ray on this machine (--address local): "),
+    Case("vectors workers 1000 local", "vectors", [*VEC[:4], "--workers", "1000", "--address", "local"], 1,
+         "--workers 1000 with Ray on this machine (--address local): ", common=False, setup=_pairs),
+]  # fmt: skip
 ROWS = SETTINGS + PREFLIGHT + STEERING_ROWS + SWEEP_ROWS + MODEL_ROWS + CLUSTER_ROWS
 
 

@@ -110,3 +110,70 @@ def test_lora_adapter_changes_scores(llama_path, tmp_path):
     base = loglikelihood(load(str(llama_path)), REQS)
     tuned = loglikelihood(load(str(llama_path), adapter_path=str(adapter)), REQS)
     assert all(abs(a[0] - b[0]) > 1e-3 for a, b in zip(tuned, base))
+
+
+# --- the files' bytes, checked before anything loads (worker.files), and the weights' values at load -------------
+
+
+def _copy(model, tmp_path):
+    return shutil.copytree(model, tmp_path / "model")
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncate", "model.safetensors is truncated: "),
+        ("garbage", "model.safetensors is not a safetensors file"),
+        ("hidden", "config.json says hidden size 128 but model.embed_tokens.weight in model.safetensors is "),
+        ("vocab", "config.json says vocab_size 7 but model.embed_tokens.weight in model.safetensors is "),
+        ("layers", "config.json says 9 layers but the weights hold 2"),
+        ("tokenizer-json", "tokenizer.json is not valid JSON (Expecting"),
+        ("tokenizer", "tokenizer.json is not a tokenizer the `tokenizers` library can load"),
+    ],
+)
+def test_damaged_files_are_one_line_before_loading(llama_path, tmp_path, damage, message):
+    from worker.load import validate_local
+
+    folder = _copy(llama_path, tmp_path)
+    weights = folder / "model.safetensors"
+    if damage == "truncate":
+        with weights.open("r+b") as fh:
+            fh.truncate(weights.stat().st_size - 1)
+    elif damage == "garbage":
+        weights.write_bytes(b"\xff" * 4096)
+    elif damage in ("hidden", "vocab", "layers"):
+        _edit_config(folder, **{"hidden": {"hidden_size": 128}, "vocab": {"vocab_size": 7}, "layers": {"num_hidden_layers": 9}}[damage])
+    else:
+        (folder / "tokenizer.json").write_text('{"version": "1.0",\n' if damage == "tokenizer-json" else '{"version": "1.0"}')
+    with pytest.raises(ModelLoadError) as info:
+        validate_local(folder)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    validate_local(llama_path)  # the intact folder passes
+
+
+def _overwrite(path, offset, data: bytes):
+    with path.open("r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+
+
+def test_non_finite_weights_are_named_when_they_load(llama_path, tmp_path):
+    from worker.files import safetensors_header
+
+    folder = _copy(llama_path, tmp_path)
+    weights = folder / "model.safetensors"
+    header = safetensors_header(weights)
+    name, info = max(header.items(), key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0])
+    start = 8 + int.from_bytes(weights.read_bytes()[:8], "little") + info["data_offsets"][0]
+    _overwrite(weights, start, b"\xff" * 4096)  # 0xFFFFFFFF is a float32 NaN
+    with pytest.raises(ModelLoadError) as info_:
+        load(str(folder))
+    assert str(info_.value) == (
+        f"{folder}: weight {name} in model.safetensors holds NaN or infinite values: the file is damaged: "
+        "download or convert the model again"
+    )

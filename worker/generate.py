@@ -110,10 +110,19 @@ def make_batch_cache(model: Any, left_padding: list[int]) -> list[Any]:
     return caches
 
 
+NON_FINITE = "the model's next-token scores are NaN or infinite"
+
+
 def _last_logits(lm: Any, tokens: mx.array, cache: list[Any]) -> mx.array:
     # Every row is left-padded, so its newest token is at the last position: run the LM head there only.
     h = lm.head.body(tokens, cache=cache)
     return lm.head.head(h[:, -1:, :])[:, 0, :].astype(mx.float32)
+
+
+def _check_finite(finite: mx.array) -> None:
+    """Never a token drawn from NaN/inf scores (argmax would pick token 0 and call it text)."""
+    if not finite.item():
+        raise ValueError(f"{NON_FINITE}: check the model's weights and the steering")
 
 
 def _sample_keys(r: GenRequest) -> mx.array:
@@ -184,13 +193,14 @@ def _generate_batch(lm: Any, reqs: list[GenRequest], eos: frozenset[int]) -> lis
     rows = Rows(offset=0, starts=mx.array(pads), ends=mx.full((B,), P), prompt_ends=mx.full((B,), P))
     with lm.hooks.forward(rows):
         logits = _last_logits(lm, tokens, cache)
-    y = _next_tokens(logits, reqs, keys, 0)
+    y, finite = _next_tokens(logits, reqs, keys, 0), mx.isfinite(logits).all()
 
     live = list(range(B))  # batch rows still generating, in cache order
     generated: list[list[int]] = [[] for _ in range(B)]
     step = 0
     while True:
-        mx.eval(y, [c.state for c in cache])  # the step's one host sync
+        mx.eval(y, finite, [c.state for c in cache])  # the step's one host sync
+        _check_finite(finite)
         keep = []
         for j, (b, tok) in enumerate(zip(live, y.tolist())):
             r = reqs[b]
@@ -226,6 +236,6 @@ def _generate_batch(lm: Any, reqs: list[GenRequest], eos: frozenset[int]) -> lis
             logits = _last_logits(lm, y[:, None], cache)
         pos += 1
         sub = [reqs[b] for b in live]
-        y = _next_tokens(logits, sub, [keys[b] for b in live], step)
+        y, finite = _next_tokens(logits, sub, [keys[b] for b in live], step), mx.isfinite(logits).all()
 
     return generated

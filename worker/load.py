@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .files import FileProblem, check_tokenizer_files, check_weights
 from .hooks import HookManager, instrument
 from .identity import folder_identity
 from .spec import ModelSpec
@@ -107,6 +108,11 @@ def validate_local(path: Path, adapter_path: str | None = None) -> None:
     if not list(path.glob("model*.safetensors")):
         raise ModelLoadError(f"no model*.safetensors weights in {path} (convert with `mlx_lm.convert` first)")
     check_architecture(config, config_file)
+    try:  # the bytes on disk: headers against sizes and config shapes, tokenizer files parse (worker.files)
+        check_weights(path, config)
+        check_tokenizer_files(path)
+    except FileProblem as e:
+        raise ModelLoadError(str(e)) from None
     if adapter_path is not None:
         adapter = Path(adapter_path).expanduser()
         if not adapter.exists():
@@ -228,6 +234,23 @@ def load(spec: ModelSpec | str, **settings: Any) -> LoadedModel:
         raise ModelLoadError(f"mlx-lm could not load {path}: {first}") from None
     if dtype is not None and "quantization" not in config:
         model.set_dtype(getattr(mx, dtype))
+    check_finite(model, path, dtype)
     model.eval()
     hooks = instrument(model)
     return LoadedModel(model, tokenizer, hooks, config, path, context_window(config, spec.max_length), Head.for_model(model))
+
+
+def check_finite(model: "nn.Module", path: Path, dtype: str | None = None) -> None:
+    """Every weight finite (one reduction per tensor): a NaN/inf weight is named with its file, never a result."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    named = tree_flatten(model.parameters())
+    flags = mx.stack([mx.all(mx.isfinite(w)) for _, w in named]) if named else mx.array([True])
+    mx.eval(flags)
+    if flags.all().item():
+        return
+    name = named[int(mx.argmin(flags.astype(mx.int32)).item())][0]
+    file = check_weights(path, {}).get(name, "the model's weight files")
+    fix = f" after the cast to {dtype}: load it without dtype={dtype}" if dtype else ": the file is damaged"
+    raise ModelLoadError(f"{path}: weight {name} in {file} holds NaN or infinite values{fix}: download or convert the model again")
