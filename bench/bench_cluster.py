@@ -39,7 +39,7 @@ def main() -> None:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from driver.ray_lm import MLXRayLM
+    from driver.lm.mlx_ray import MLXRayLM
     from testbed.models import write_model
 
     model = write_model(work / "model", hidden=args.hidden, layers=args.layers, intermediate=3 * args.hidden, max_positions=2048)

@@ -79,7 +79,7 @@ def timed_run(instances: list, workers: int, speed: float, cache: Path) -> tuple
     """(seconds of the loglikelihood call, seconds from the hand-over to the first chunk on a worker)."""
     import ray
 
-    from driver.ray_lm import MLXRayLM
+    from driver.lm.mlx_ray import MLXRayLM
 
     if SleepingWorker.__module__ != "__main__":  # imported (not run): workers cannot import this file
         ray.cloudpickle.register_pickle_by_value(sys.modules[SleepingWorker.__module__])

@@ -20,8 +20,8 @@ import numpy as np
 import ray
 
 from cluster import place
-from driver.cache import Cache, identity, key
-from driver.schedule import Merge, Pool, cut, dispatch
+from driver.lm.cache import Cache, identity, key
+from cluster.schedule import Merge, Pool, cut, dispatch
 
 MAX_BATCH_TOKENS = 8192
 

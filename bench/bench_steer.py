@@ -16,7 +16,7 @@ questions when that folder is absent). Three parts, each a table against an anch
   2 one op       worker.score.loglikelihood on the same requests inside `steered(lm, Steering(...))`:
                  unsteered (anchor), one `add` on all positions at the middle layer (target: <= 5 % slower),
                  and as extra rows ablate, clamp and add at positions=last.
-  3 extraction   driver.vectors.extract through driver.ray_lm.MLXRayLM (embedded local Ray, threads=1 per
+  3 extraction   driver.steering.vectors.extract through driver.lm.mlx_ray.MLXRayLM (embedded local Ray, threads=1 per
                  worker) on a few hundred contrastive MMLU pairs at all 4 layers: pairs/s on 1 vs 2 workers
                  (target >= 1.7x), and whether both give the same vectors (<= 1e-6).
 
@@ -290,9 +290,9 @@ def write_pairs(out: Path, n: int, max_chars: int = 200) -> tuple[Path, str]:
 
 
 def extraction(lm, pairs, layers: list[int], pool, capture_s: list[float]):
-    """A zero-argument run of driver.vectors.extract on `pool` (the CLI's capture function), as `driver vectors` does
+    """A zero-argument run of driver.steering.vectors.extract on `pool` (the CLI's capture function), as `driver vectors` does
     it; appends the capture phase's seconds (dispatch until the last result is merged) to `capture_s`."""
-    from driver import vectors as vec
+    from driver.steering import vectors as vec
 
     ex = lm.executor
 
@@ -311,8 +311,8 @@ def extraction(lm, pairs, layers: list[int], pool, capture_s: list[float]):
 
 def part_extract(model: Path, work: Path, n_pairs: int, repeats: int) -> None:
     from cluster import Pool
-    from driver import vectors as vec
-    from driver.ray_lm import MLXRayLM
+    from driver.steering import vectors as vec
+    from driver.lm.mlx_ray import MLXRayLM
 
     path, about = write_pairs(work / "pairs.jsonl", n_pairs)
     pairs, layers = vec.read_pairs(path), list(range(_n_layers(model)))
@@ -334,7 +334,7 @@ def part_extract(model: Path, work: Path, n_pairs: int, repeats: int) -> None:
     tokens = sorted(len(lm.tok_encode(t)) for p in pairs for t in p.texts)
     rows = [{"name": name, "times": times[name], "n": len(pairs), "target": None if name == names[0] else WORKERS_TARGET,
              "extra": f"{min(capture[name]):.2f}", "extra_head": "capture phase, best s"} for name in names]
-    table(f"3. vector extraction, driver.vectors.extract via MLXRayLM (embedded local Ray, threads=1 per worker; "
+    table(f"3. vector extraction, driver.steering.vectors.extract via MLXRayLM (embedded local Ray, threads=1 per worker; "
           f"best of {repeats})", "pair", rows, speedup=True)
     print(f"  {about}; {2 * len(pairs)} texts, tokens min/median/max {tokens[0]}/{tokens[len(tokens) // 2]}/{tokens[-1]}; "
           f"layers {layers}, resid_post, mean-diff, position last")
@@ -398,7 +398,7 @@ def main(argv=None) -> int:
 def run_local(path: Path, args) -> None:
     from mlx_lm import load as mlx_load
 
-    from driver.lm import MLXLM
+    from driver.lm.mlx import MLXLM
 
     source, data = bw.load_subjects(args.subjects, args.questions, warm=1)
     orchard = MLXLM(pretrained=str(path))  # its executor holds worker.load.load(...): the instrumented model

@@ -14,7 +14,7 @@ in the upper half (`add` of a random vector at resid_post of layers 4 and 6), 10
                            one actor runs; blocks 0..4 once per request, blocks 5..7 once per configuration
     independent runs       the same 10 configurations, one steered run each on the same loaded model
                            (Job(kind="loglikelihood", steering=s)): target grid >= 1.5x faster
-    sweep end to end       build one lm-eval model (driver.lm.MLXLM), tokenize once, executor.run_grid
+    sweep end to end       build one lm-eval model (driver.lm.mlx.MLXLM), tokenize once, executor.run_grid
     reload loop            what lm-eval `steered` users do today: per configuration build a new lm-eval model
                            with that steering (MLXLM(..., steer=s): tokenizer, weights) and score the
                            instances: target grid >= 3x faster (also printed: against "sweep end to end")
@@ -137,7 +137,7 @@ def table(title: str, cells: int, rows: list[tuple[str, list[float], str, float 
 def part_one(path: Path, data: dict, configs: list, args) -> list[list]:
     import mlx.core as mx
 
-    from driver.lm import MLXLM
+    from driver.lm.mlx import MLXLM
     from worker.jobs import run
     from worker.spec import Job
 
@@ -204,7 +204,7 @@ def part_one(path: Path, data: dict, configs: list, args) -> list[list]:
 
 
 def part_two(path: Path, pairs: list, warm_pairs: list, configs: list, ref: list[list], args) -> None:
-    from driver.ray_lm import RayExecutor
+    from driver.lm.mlx_ray import RayExecutor
     from worker.spec import Batching, ModelSpec
 
     spec = ModelSpec(model=str(path))

@@ -10,7 +10,7 @@ over the offline `cais/mmlu` cache in ../shared/data/hf-datasets (a temp copy). 
 
   anchor  the per-request path: TemplateLM.loglikelihood's loop with OrchardLM.tok_encode (tokenizer.encode of
           context and context+continuation per request), on a time budget: a seeded random sample of requests
-  fast    driver.tokenize.encode_pairs on every request (plan included), TOKENIZERS_PARALLELISM off and on
+  fast    driver.lm.tokenize.encode_pairs on every request (plan included), TOKENIZERS_PARALLELISM off and on
 
 and says whether fast equals the anchor on every request the anchor ran. Tokenizers: GPT-2 byte-level BPE
 (../shared/data/tokenizers/gpt2), the sentencepiece-style Llama of ../shared/models/stories260K, and a generated
@@ -39,7 +39,7 @@ SHARED = ROOT.parent / "shared"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from driver.tokenize import encode_pair_exact, encode_pairs, make_plan  # noqa: E402
+from driver.lm.tokenize import encode_pair_exact, encode_pairs, make_plan  # noqa: E402
 
 QWEN2_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 

@@ -9,7 +9,7 @@ from the real MMLU CSVs at ../shared/data/mmlu (synthetic questions when that fo
 scores them with one random-weight llama (hidden 256, 4 layers) that carries the GPT-2 tokenizer (vocab
 50257), so both the LM head and the decoder blocks cost something. Rows, all in this one process:
 
-  orchard mlx        driver.lm.MLXLM(...).loglikelihood(instances): tokenization + worker.score kernel
+  orchard mlx        driver.lm.mlx.MLXLM(...).loglikelihood(instances): tokenization + worker.score kernel
   orchard kernel     worker.score.loglikelihood on the pre-tokenized pairs (what the driver hands a worker)
   mlx_lm.evaluate    mlx_lm.evaluate.MLXLM(...).loglikelihood(instances)
   seed 000           the seed wrapper's loop: one full forward per request, log(softmax(vocab)) and two host
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
 
         from mlx_lm.evaluate import MLXLM as MLXLMEval
 
-        from driver.lm import MLXLM
+        from driver.lm.mlx import MLXLM
 
         orchard = MLXLM(pretrained=str(path), batch_size=args.batch_size)
         mlxlm_eval = MLXLMEval(str(path))

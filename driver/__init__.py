@@ -6,4 +6,4 @@
 
 import lm_eval.models  # noqa: F401  (must precede our registrations)
 
-from . import lm, ray_lm  # noqa: F401,E402  register "mlx" and "mlx-ray"
+from driver.lm import mlx, mlx_ray  # noqa: F401,E402  register "mlx" and "mlx-ray"

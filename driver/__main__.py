@@ -1,5 +1,5 @@
 """`python -m driver ...` is the `driver` command."""
 
-from .cli import main
+from driver.cli import main
 
 main()

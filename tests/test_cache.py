@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver.cache import Cache, grid_keys, identity, job_prefix, key
+from driver.lm.cache import Cache, grid_keys, identity, job_prefix, key
 from worker.generate import GenRequest
 from worker.spec import Intervention, Job, Steering
 
@@ -203,9 +203,9 @@ def test_close_releases_the_connection(tmp_path):
 
 
 def test_keys_equal_the_per_request_keys():
-    # driver.cache.keys is a faster spelling of [key(prefix, kind, r) for r in requests]: a context shared by
+    # driver.lm.cache.keys is a faster spelling of [key(prefix, kind, r) for r in requests]: a context shared by
     # several requests (the same tuple object) is hashed once, and nothing else changes.
-    from driver.cache import keys
+    from driver.lm.cache import keys
 
     prefix = job_prefix(identity(MODEL), Job(kind="loglikelihood"))
     shared, other = (1, 2, 3), [1, 2, 3]  # equal ids, different objects; and a list spelling

@@ -77,7 +77,7 @@ def test_usage_errors_are_one_line_with_one_hint(common):
 
 
 def test_an_unexpected_error_is_one_line_too(common, monkeypatch):
-    from driver import preflight
+    from driver.checks import preflight
 
     def broken(*args, **kwargs):
         raise KeyError("boom")
@@ -105,7 +105,7 @@ def test_an_unexpected_error_is_one_line_too(common, monkeypatch):
     ],
 )
 def test_python_model_args_are_checked_before_loading(llama_path, kwargs, message):
-    from driver.lm import MLXLM
+    from driver.lm.mlx import MLXLM
 
     with pytest.raises(ValueError) as info:
         MLXLM(pretrained=str(llama_path), **kwargs)
@@ -116,7 +116,7 @@ def test_python_model_args_are_checked_before_loading(llama_path, kwargs, messag
 def test_the_cache_refuses_a_foreign_file_and_leaves_it_alone(tmp_path, content):
     import sqlite3
 
-    from driver.cache import Cache
+    from driver.lm.cache import Cache
 
     path = tmp_path / "results.sqlite"
     if content == "sqlite-foreign":
@@ -131,7 +131,7 @@ def test_the_cache_refuses_a_foreign_file_and_leaves_it_alone(tmp_path, content)
 
 
 def test_the_cache_reopens_its_own_file(tmp_path):
-    from driver.cache import Cache
+    from driver.lm.cache import Cache
 
     cache = Cache(tmp_path)
     cache.put([(b"k", [1.0, True])])
@@ -142,7 +142,7 @@ def test_the_cache_reopens_its_own_file(tmp_path):
 
 
 def test_settings_parsers_in_the_users_words():
-    from driver import settings
+    from driver.checks import settings
 
     assert settings.limit("0.5") == 0.5 and settings.limit("10") == 10 and settings.limit("10.0") == 10
     assert settings.gen_kwargs("temperature=0.7,top_k=5,until=\\n") == {"temperature": 0.7, "top_k": 5, "until": "\\n"}
@@ -152,7 +152,7 @@ def test_settings_parsers_in_the_users_words():
 
 
 def test_run_summaries_say_where_the_results_came_from():
-    from driver.evaluation import on_workers
+    from driver.lm.evaluation import on_workers
 
     assert on_workers({"workers": 0, "nodes": 0, "address": None}) == "on no workers (every result came from the cache)"
     assert on_workers({"workers": 2, "nodes": 1, "address": "local"}, ray=True) == "on 2 workers on 1 node (Ray at local)"

@@ -25,8 +25,8 @@ from ray import cloudpickle  # noqa: E402
 import cluster as orchard_cluster  # noqa: E402
 from driver.cli import main  # noqa: E402
 from cluster import Pool, WorkerActor  # noqa: E402
-from driver.ray_lm import MLXRayLM  # noqa: E402
-from driver.schedule import WorkersLost, dispatch  # noqa: E402
+from driver.lm.mlx_ray import MLXRayLM  # noqa: E402
+from cluster.schedule import WorkersLost, dispatch  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
 
@@ -328,13 +328,13 @@ def eos_model(llama_path, tasks_dir, tmp_path_factory):
 def test_families_stops_eos_and_truncation_match_in_process_model(ray_cluster, eos_model, long_tasks, monkeypatch):
     """mlx-ray vs mlx at the model's own 512-token window: few-shot families (kept whole by the scheduler, reused
     on the workers), generations that stop at a stop string, at EOS and at max_gen_toks."""
-    import driver.ray_lm
+    import driver.lm.mlx_ray
     from parity_tasks import LONG_TASKS, coverage
     from worker.load import load
 
     cuts: list = []
-    real_cut = driver.ray_lm.cut
-    monkeypatch.setattr(driver.ray_lm, "cut", lambda costs, groups, **kw: cuts.append((costs, groups, real_cut(costs, groups, **kw))) or cuts[-1][2])
+    real_cut = driver.lm.mlx_ray.cut
+    monkeypatch.setattr(driver.lm.mlx_ray, "cut", lambda costs, groups, **kw: cuts.append((costs, groups, real_cut(costs, groups, **kw))) or cuts[-1][2])
     args = {"pretrained": str(eos_model), "batch_size": 4, "max_batch_tokens": 512}
     reference = evaluate("mlx", args, long_tasks, LONG_TASKS)
     lm = MLXRayLM.create_from_arg_obj({**args, "workers": 2})
@@ -425,7 +425,7 @@ def test_a_workers_refusal_inside_an_lm_eval_run_is_one_click_error(ray_cluster,
     """What `driver run` and `driver sweep` get when a worker refuses the model at the first job."""
     import click
 
-    from driver.evaluation import Plan, evaluate, parse_seeds
+    from driver.lm.evaluation import Plan, evaluate, parse_seeds
 
     model = type("SmallRayLM", (MLXRayLM,), {"actor_cls": SmallNode})
     lm = model(pretrained=str(llama_path), workers=2)

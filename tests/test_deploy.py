@@ -35,7 +35,7 @@ def test_cluster_yaml_passes_rays_own_validation():
     validate_config(prepared)
     node_type = prepared["available_node_types"]["local.cluster.node"]
     assert node_type["min_workers"] == node_type["max_workers"] == len(prepared["provider"]["worker_ips"])
-    from driver.cluster_cmd import check_config
+    from driver.cli.cluster import check_config
 
     assert check_config(str(DEPLOY / "cluster.yaml")) is None
 
@@ -99,7 +99,7 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_a_bad_cluster_yaml_is_one_line_naming_the_fix(tmp_path: Path, case: str):
-    from driver.cluster_cmd import check_config
+    from driver.cli.cluster import check_config
 
     text, expected = BAD[case]
     path = _bad(tmp_path, "cluster.yaml", text)

@@ -296,7 +296,7 @@ def _sweep(w: World, case: Path, tasks: str = "", alphas: str = "[2.0]", prompt_
 
 
 def _busy_sweep(w: World, case: Path) -> list[str]:
-    from driver import outdir
+    from driver.sweep import outdir
 
     _HELD.append(outdir.lock(case / "busy"))
     return _sweep(w, case)

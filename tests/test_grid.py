@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from driver.cache import grid_keys, job_prefix, key
-from driver.lm import LocalExecutor
+from driver.lm.cache import grid_keys, job_prefix, key
+from driver.lm.mlx import LocalExecutor
 from worker.generate import GenRequest
 from worker.grid import GRID_BLOCK, grid_generate, grid_loglikelihood, shares_lower, split_point
 from worker.hooks import decoder_layers
@@ -313,7 +313,7 @@ def test_grid_jobs_and_their_keys():
 def _planner(workers: int, max_batch_tokens: int = 256):
     from types import SimpleNamespace
 
-    from driver.ray_lm import RayExecutor
+    from driver.lm.mlx_ray import RayExecutor
 
     ex = RayExecutor.__new__(RayExecutor)
     ex.pool = SimpleNamespace(alive=set(range(workers)))
@@ -324,7 +324,7 @@ def _planner(workers: int, max_batch_tokens: int = 256):
 
 
 def _plan(ex, grid, reqs, done=()):
-    from driver.schedule import Merge
+    from cluster.schedule import Merge
 
     merges = [Merge(len(reqs)) for _ in grid]
     for c, i in done:
@@ -355,7 +355,7 @@ def test_chunks_cover_each_missing_cell_once_and_keep_workers_busy():
 
 
 def _ray_executor(path: Path, workers: int, cache_dir=None, files=None):
-    from driver.ray_lm import RayExecutor
+    from driver.lm.mlx_ray import RayExecutor
 
     return RayExecutor(
         ModelSpec(model=str(path), max_length=MAX_LENGTH),

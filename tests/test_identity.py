@@ -165,14 +165,14 @@ def test_workers_with_different_model_bytes_are_refused(llama_path, tmp_path):
 
 def test_the_identity_reaches_every_cache_key(llama_path, tmp_path):
     """What the driver puts in the result cache's keys: another byte in the weights, another key for every kind."""
-    from driver.cache import identity as cache_identity
-    from driver.cache import job_prefix, key
+    from driver.lm.cache import identity as cache_identity
+    from driver.lm.cache import job_prefix, key
     from worker.generate import GenRequest
     from worker.spec import Job
 
     model = copy_model(llama_path, tmp_path / "m")
 
-    def ident():  # the shape driver.ray_lm builds: the driver's identity dict plus the workers' model_files
+    def ident():  # the shape driver.lm.mlx_ray builds: the driver's identity dict plus the workers' model_files
         files = fingerprint(model)
         return cache_identity({"model": str(model), "revision": None, "adapter": None, "files": files,
                                "dtype": None, "max_length": 512, "weights": files})  # fmt: skip
@@ -333,7 +333,7 @@ def test_stale_weights_or_tokenizer_are_never_served_from_the_result_cache(ray_s
     from lm_eval.api.instance import Instance
 
     import driver  # noqa: F401  registers the models
-    from driver.ray_lm import MLXRayLM
+    from driver.lm.mlx_ray import MLXRayLM
 
     model = copy_model(big_model, tmp_path / "m")
     cache = tmp_path / "cache"

@@ -78,8 +78,8 @@ def test_prefix_families_stop_strings_and_truncation_match_hf_backend(model_path
     a stop string or run to max_gen_toks, and every number and text is still the hf backend's."""
     from parity_tasks import LONG_TASKS, coverage
 
-    from driver.lm import MLXLM
-    from driver.schedule import gather
+    from driver.lm.mlx import MLXLM
+    from cluster.schedule import gather
     from worker.score import families
 
     common = dict(tasks=LONG_TASKS, task_manager=manager, log_samples=True, verbosity="ERROR")
@@ -127,7 +127,7 @@ EDGE_CASES = [
 def test_edge_case_requests_match_hf_backend(llama_path):
     from lm_eval.models.huggingface import HFLM
 
-    from driver.lm import MLXLM
+    from driver.lm.mlx import MLXLM
 
     hf = HFLM(pretrained=str(llama_path), max_length=MAX_LENGTH, dtype="float32", batch_size=4, device="cpu")
     ours = MLXLM(pretrained=str(llama_path), max_length=MAX_LENGTH, batch_size=3)
@@ -142,7 +142,7 @@ def test_edge_case_requests_match_hf_backend(llama_path):
 def test_importing_orchard_keeps_lm_eval_backends():
     from lm_eval.api.registry import get_model
 
-    from driver.lm import MLXLM
+    from driver.lm.mlx import MLXLM
 
     assert get_model("mlx") is MLXLM
     assert get_model("hf").__name__ == "HFLM"

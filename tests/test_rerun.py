@@ -9,7 +9,7 @@ import pytest
 from ray import cloudpickle
 
 from cluster import ClusterError, WorkerActor
-from driver.ray_lm import MLXRayLM
+from driver.lm.mlx_ray import MLXRayLM
 from test_cluster import MC, MODEL_ARGS, assert_same, evaluate, reference, run_ray, tasks  # noqa: F401
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from driver.schedule import PER_WORKER, Merge, cut
+from cluster.schedule import PER_WORKER, Merge, cut
 
 
 def _check_partition(chunks, n):
@@ -181,7 +181,7 @@ def sim(monkeypatch):
     import sys
     import types
 
-    import driver.schedule
+    import cluster.schedule
 
     sim = SimRay()
     fake = types.ModuleType("ray")
@@ -191,13 +191,13 @@ def sim(monkeypatch):
     fake.exceptions = exceptions
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.setitem(sys.modules, "ray.exceptions", exceptions)
-    monkeypatch.setattr(driver.schedule, "time", types.SimpleNamespace(monotonic=lambda: sim.now))
+    monkeypatch.setattr(cluster.schedule, "time", types.SimpleNamespace(monotonic=lambda: sim.now))
     return sim
 
 
 def run_sim(sim, workers, costs, **kw):
     from cluster import Pool
-    from driver.schedule import dispatch
+    from cluster.schedule import dispatch
 
     pool = Pool(workers, revive=lambda w: w.revive())
     got: list[tuple[int, int, object]] = []
@@ -266,13 +266,13 @@ def test_dispatch_takes_back_a_revived_worker(sim):
 
 
 def test_dispatch_when_every_worker_is_lost(sim):
-    from driver.schedule import WorkersLost
+    from cluster.schedule import WorkersLost
 
     a, b = SimWorker(sim, "a", 1.0, dies_at=2.5), SimWorker(sim, "b", 1.0, dies_at=3.5)
     got: list = []
     with pytest.raises(WorkersLost, match=r"^every worker is lost$"):
         from cluster import Pool
-        from driver.schedule import dispatch
+        from cluster.schedule import dispatch
 
         pool = Pool([a, b], revive=lambda w: w.revive())
         dispatch([1.0] * 10, pool, lambda w, c: w.submit(c, 1.0), lambda w, c, v: got.append(c))
@@ -282,7 +282,7 @@ def test_dispatch_when_every_worker_is_lost(sim):
 
 def test_dispatch_gives_up_when_no_worker_comes_back_in_time(sim):
     from cluster import Pool
-    from driver.schedule import WorkersLost, dispatch
+    from cluster.schedule import WorkersLost, dispatch
 
     late = SimWorker(sim, "late", 1.0, dies_at=1.5, back_at=100.0)
     pool = Pool([late], revive=lambda w: w.revive())
@@ -356,7 +356,7 @@ TRACES = {
 @pytest.mark.parametrize("name", list(TRACES))
 def test_dispatch_decisions_are_exactly_these(sim, name):
     from cluster import Pool
-    from driver.schedule import dispatch
+    from cluster.schedule import dispatch
 
     (start, speeds, costs, depth, deaths, revive_timeout), expected, alive, cancelled = TRACES[name]
     sim.now = start

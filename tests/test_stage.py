@@ -264,8 +264,8 @@ def test_a_run_with_stage_loads_each_nodes_own_copy_and_scores_the_same(cluster,
     """`driver run --stage` (model_args stage=true): the model is staged, then each worker loads its node's copy."""
     from lm_eval.api.instance import Instance
 
-    from driver.lm import MLXLM
-    from driver.ray_lm import MLXRayLM
+    from driver.lm.mlx import MLXLM
+    from driver.lm.mlx_ray import MLXRayLM
 
     address, roots = cluster
     requests = [

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from driver.steer import SpecFile, SteeringError, check, for_model, load_steering, model_shape
+from driver.steering.spec import SpecFile, SteeringError, check, for_model, load_steering, model_shape
 from worker.spec import OPS, POSITIONS, SITES, Intervention, Steering
 
 V = np.array([3.0, 4.0, 0.0, 0.0, 0.0], dtype=np.float32)  # norm 5
@@ -335,7 +335,7 @@ def test_missing_and_unreadable_spec_files(tmp_path):
 def test_the_spec_allows_exactly_what_workers_accept():
     from typing import get_args
 
-    from driver.steer import InterventionSpec
+    from driver.steering.spec import InterventionSpec
 
     fields = InterventionSpec.model_fields
     assert (get_args(fields["site"].annotation), get_args(fields["op"].annotation)) == (SITES, OPS)
@@ -381,7 +381,7 @@ def test_readmes_steering_example_runs_as_printed(stories_path, tasks_dir, tmp_p
 
 
 def test_worker_notes_are_printed_once_per_intervention(capsys):
-    from driver import steer
+    from driver.steering import spec as steer
     from worker.jobs import Results
 
     steer._WARNED.clear()

@@ -160,7 +160,7 @@ def vectors_cli(*args):
 def test_vectors_on_1_and_3_workers_are_identical_and_steer_a_run(ray_cluster, llama_path, tasks, tmp_path):
     from safetensors import safe_open
 
-    from driver.steer import load_steering
+    from driver.steering.spec import load_steering
     from test_cluster import MODEL_ARGS
 
     pairs = write_pairs(tmp_path / "pairs.jsonl")

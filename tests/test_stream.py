@@ -10,8 +10,8 @@ import time
 import pytest
 from lm_eval.api.instance import Instance
 
-from driver.lm import FIRST_PIECE, LARGEST_PIECE, MLXLM, pieces, spot_checks
-from driver.schedule import Feed
+from driver.lm.mlx import FIRST_PIECE, LARGEST_PIECE, MLXLM, pieces, spot_checks
+from cluster.schedule import Feed
 
 
 def questions(n: int) -> list[tuple[str, str]]:
@@ -86,7 +86,7 @@ def test_streamed_tokens_equal_lm_evals_own_path(local_lm):
 
 
 def test_a_piece_that_differs_from_lm_eval_falls_back_to_its_path(local_lm, monkeypatch, capsys):
-    import driver.lm as lm_module
+    import driver.lm.mlx as lm_module
 
     real = lm_module.iter_encode_pairs
 
@@ -119,7 +119,7 @@ ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
 
 from cluster import WorkerActor  # noqa: E402
-from driver.ray_lm import MLXRayLM  # noqa: E402
+from driver.lm.mlx_ray import MLXRayLM  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -172,7 +172,7 @@ def test_workers_start_on_the_first_piece_while_the_head_tokenizes_the_rest(ray_
 
 
 def test_batched_cache_keys_equal_one_key_per_request(local_lm):
-    from driver.cache import key, keys
+    from driver.lm.cache import key, keys
 
     pairs = questions(30) + [("", " x")]
     encoded = [p for piece in local_lm.encode_pieces(pairs, [(0, len(pairs))]) for p in piece]
@@ -185,7 +185,7 @@ def test_batched_cache_keys_equal_one_key_per_request(local_lm):
 def test_one_progress_bar_counts_every_request_type_and_keeps_cached_ones_apart():
     import io
 
-    from driver.progress import Progress
+    from driver.lm.progress import Progress
 
     progress = Progress(["w0@a", "w1@b"])
     progress.expect(100, 40, "loglikelihood")  # 100 requests, 40 of them from the cache

@@ -19,7 +19,8 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from driver import outdir, report
+from driver.sweep import outdir
+from driver.sweep import report
 from driver.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,7 +284,7 @@ def test_scores_deltas_and_p_positive_equal_the_in_process_models(runs, study):
     in-process `mlx` model's log-probs of each (prompt, target) under that configuration's steering."""
     from lm_eval.api.instance import Instance
 
-    from driver.lm import MLXLM
+    from driver.lm.mlx import MLXLM
     from driver.sweep import load_sweep
 
     sweep = load_sweep(study)
@@ -308,8 +309,8 @@ def test_scores_deltas_and_p_positive_equal_the_in_process_models(runs, study):
 def test_fluency_is_the_unsteered_models_per_token_score_of_each_text_and_decides_fluent(runs, study):
     from lm_eval.api.instance import Instance
 
-    from driver import fluency
-    from driver.lm import MLXLM
+    from driver.sweep import fluency
+    from driver.lm.mlx import MLXLM
     from driver.sweep import load_sweep
 
     gens = [json.loads(line) for line in open(runs[1] / "generations.jsonl")]
@@ -398,7 +399,7 @@ def test_an_extreme_alpha_is_a_failed_cell_and_every_output_stays_valid(ray_clus
 
 def test_a_configuration_that_fails_only_while_generating_is_set_aside(ray_cluster, llama_path, tasks_dir, tmp_path):
     """No targets, no tasks: the worker's refusal to generate from NaN scores is found per configuration."""
-    from driver.sweep_grid import FAILED_GENERATING
+    from driver.sweep.grid import FAILED_GENERATING
 
     prompts = "".join(json.dumps({"prompt": p}) + "\n" for p, _, _ in PROMPTS)
     sweep = write_study(tmp_path / "study", llama_path, tasks_dir, tasks=False, alphas=(2.0, 3.0e38), prompts=prompts)
@@ -414,7 +415,7 @@ def test_a_configuration_that_fails_only_while_generating_is_set_aside(ray_clust
 
 
 def test_unequal_targets_and_long_prompts_are_said_once_and_mean_divides_by_tokens(ray_cluster, llama_path, tasks_dir, tmp_path):
-    from driver.lm import MLXLM
+    from driver.lm.mlx import MLXLM
 
     long = "Once upon a time " * 20 + "the dog was"
     prompts = "".join(json.dumps({"prompt": p, "targets": {"positive": " happy", "negative": " very very sad"}}) + "\n"

@@ -1,4 +1,4 @@
-"""driver.tokenize: fast head-side tokenization, token-identical to lm-eval's TemplateLM path per request (the
+"""driver.lm.tokenize: fast head-side tokenization, token-identical to lm-eval's TemplateLM path per request (the
 reference is lm-eval's own TemplateLM.loglikelihood and _encode_pair, not a copy of their rules).
 
 Real MMLU 5-shot requests come from lm-eval itself (offline cais/mmlu cache set up by conftest). lm-eval takes
@@ -17,8 +17,8 @@ import pytest
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 
-from driver.lm import OrchardLM
-from driver.tokenize import encode_pairs, iter_encode_pairs, make_plan
+from driver.lm.mlx import OrchardLM
+from driver.lm.tokenize import encode_pairs, iter_encode_pairs, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

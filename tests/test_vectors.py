@@ -15,7 +15,7 @@ from mlx_lm.models.base import create_attention_mask
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from driver.vectors import (
+from driver.steering.vectors import (
     METHODS,
     Pair,
     PairsError,
@@ -319,7 +319,7 @@ HAPPY = {"positive": "Once upon a time the dog was happy", "negative": "Once upo
 
 
 def test_the_head_tokenizes_as_the_run_does(stories_path):
-    from driver.lm import MLXLM
+    from driver.lm.mlx import MLXLM
 
     lm = MLXLM(pretrained=str(stories_path))
     encode = head_encoder(stories_path)

@@ -18,7 +18,7 @@ PROMPT_HIGHER = {"logprob_negative": False}
 
 @dataclass
 class Outcome:
-    """What a sweep produced, for `driver.report`."""
+    """What a sweep produced, for `driver.sweep.report`."""
 
     sweep: Any  # driver.sweep.Sweep
     rows: list[dict]  # tidy: one per configuration × metric

@@ -7,7 +7,7 @@ that resolves: offline, it must be in the HF cache), its tokenizer (its files pa
 --apply-chat-template), the task names and the YAMLs of --include-path (a malformed YAML is named with its file
 and line), the steering spec against the model's shape, and the cluster address (cluster.connect.resolve:
 syntax, reachable, token authentication). `--num-fewshot` is checked against each task's examples once the
-tasks' documents load (driver.fewshot), still before Ray.
+tasks' documents load (driver.checks.fewshot), still before Ray.
 
 Exit codes, as the CLI uses them: `BadUsage` (2) for a command line that cannot be right whatever the machine
 (a flag's value, an unknown task name); `Refused` (1) for a command line that is fine but names something that
@@ -410,7 +410,7 @@ def task_manager(names: list[str], include_path: str | None):
 
 
 def check_steering(steer: str, config: dict) -> None:
-    from .steer import SteeringError, for_model
+    from driver.steering.spec import SteeringError, for_model
 
     try:
         for_model(steer, config)

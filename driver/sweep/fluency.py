@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from worker.spec import NO_STEERING
 
-from .sweep_rows import BASELINE, EMPTY, finite, mean_stderr
+from driver.sweep.rows import BASELINE, EMPTY, finite, mean_stderr
 
 NGRAM = 3
 LOGPROB_MARGIN = 1.5  # nats per token

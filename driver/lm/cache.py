@@ -98,7 +98,7 @@ class Cache:
     may be closed by its finalizer on whichever thread collects it (sqlite's own check would refuse that)."""
 
     def __init__(self, directory: str | Path):
-        from .preflight import cache_problem
+        from driver.checks.preflight import cache_problem
 
         self.path = Path(directory).expanduser() / FILE
         problem = cache_problem(self.path)  # a corrupt or foreign file: refused, never written to

@@ -6,7 +6,7 @@ Every mistake is one line on stderr (a usage error adds one hint line), never a 
 the command line itself is wrong (a flag's value, an unknown key or task name: `preflight.BadUsage`, click's own
 errors), 1 when it names something that is not usable or something failed (a file, folder, model, cache,
 cluster, worker: `preflight.Refused` and every other error). Everything that can be checked is checked before
-the expensive part (lm-eval's task index, Ray, a model load), in `driver.preflight`'s order.
+the expensive part (lm-eval's task index, Ray, a model load), in `driver.checks.preflight`'s order.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from typing import Any
 
 import click
 
-from . import preflight, quiet, settings
-from .evaluation import Plan, evaluate, lost_workers_line, on_workers, open_model, parse_seeds, save
-from .preflight import BadUsage, Refused
+from driver.checks import preflight
+from driver.lm import quiet
+from driver.checks import settings
+from driver.lm.evaluation import Plan, evaluate, lost_workers_line, on_workers, open_model, parse_seeds, save
+from driver.checks.preflight import BadUsage, Refused
 
 # model_args keys that have a flag of their own (a flag and a model_arg must never silently disagree)
 RUN_FLAGS = {
@@ -200,8 +202,8 @@ def run(
     # waiting on processes) and the workers load the model.
     indexing = in_background(preflight.task_manager, plan.names, include_path)
     if plan.num_fewshot:  # how many examples each task has is known once its documents load: still before Ray
-        from .evaluation import DATASET_HINT
-        from .fewshot import check_fewshot
+        from driver.lm.evaluation import DATASET_HINT
+        from driver.checks.fewshot import check_fewshot
 
         check_fewshot(indexing.result(), plan.names, plan.num_fewshot, DATASET_HINT)
     with resumable(args["cache"]):
@@ -217,7 +219,7 @@ def run(
 
 @contextlib.contextmanager
 def resumable(cache: str | os.PathLike):
-    """Ctrl-C (or SIGTERM, driver.quiet) stops the command in one line: what finished is in the cache."""
+    """Ctrl-C (or SIGTERM, driver.lm.quiet) stops the command in one line: what finished is in the cache."""
     try:
         yield
     except KeyboardInterrupt:
@@ -258,7 +260,7 @@ def _check_workers(workers: str, address: str | None = None, model: str | None =
 
 def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: str | None, apply_chat_template: bool,
                tasks: str, include_path: str | None, steer: str | None, address: str | None) -> list[str]:  # fmt: skip
-    """driver.preflight's checks in its order, before lm-eval's task index, Ray or a model; the task names."""
+    """driver.checks.preflight's checks in its order, before lm-eval's task index, Ray or a model; the task names."""
     preflight.writable_folder(output_path, "--output-path")
     preflight.check_cache(cache or Path(output_path) / "cache", "--cache" if cache else "the result cache")
     folder = preflight.check_model(model, extra.get("revision"), extra.get("adapter_path"))
@@ -334,8 +336,8 @@ def vectors(
     """
     from worker.load import context_window
 
-    from . import vectors as vec
-    from .steer import model_shape
+    from driver.steering import vectors as vec
+    from driver.steering.spec import model_shape
 
     start = time.monotonic()
     with _usage():  # settings (exit 2), then what they name (exit 1), all before a worker starts
@@ -412,9 +414,10 @@ def sweep_command(
     request is cached under OUTPUT/cache: rerun an interrupted or grown sweep and only what is missing runs.
     One sweep writes to OUTPUT at a time; a rerun replaces the outputs of the previous one (never the cache).
     """
-    from . import outdir, report
-    from .sweep import SweepError, load_sweep
-    from .sweep import run as run_sweep
+    from driver.sweep import outdir
+    from driver.sweep import report
+    from driver.sweep import SweepError, load_sweep
+    from driver.sweep import run as run_sweep
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _check_workers(workers)
@@ -500,10 +503,10 @@ def nodes(address: str | None, as_json: bool) -> None:
         raise click.ClickException(differ)
 
 
-from .stage_cmd import stage as stage_command
+from driver.cli.stage import stage as stage_command
 main.add_command(stage_command)
 
 
-from .cluster_cmd import cluster as cluster_group  # noqa: E402  (the `cluster` group: up, down, status)
+from driver.cli.cluster import cluster as cluster_group  # noqa: E402  (the `cluster` group: up, down, status)
 
 main.add_command(cluster_group)

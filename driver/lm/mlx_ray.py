@@ -30,12 +30,12 @@ from worker.load import is_local
 from worker.score import families
 from worker.spec import Batching, Job, ModelSpec, Steering
 
-from .cache import Cache, grid_keys, identity, job_prefix
-from .cache import keys as cache_keys
-from .lm import OrchardLM, _bool
-from .progress import Progress
-from .schedule import PER_WORKER, POLL_IDLE, Feed, Merge, WorkersLost, cut, dispatch
-from .steer import warn_once
+from driver.lm.cache import Cache, grid_keys, identity, job_prefix
+from driver.lm.cache import keys as cache_keys
+from driver.lm.mlx import OrchardLM, _bool
+from driver.lm.progress import Progress
+from cluster.schedule import PER_WORKER, POLL_IDLE, Feed, Merge, WorkersLost, cut, dispatch
+from driver.steering.spec import warn_once
 
 
 @dataclass

@@ -28,10 +28,10 @@ from worker.jobs import run
 from worker.load import context_window, fingerprint, is_local, load, resolve
 from worker.spec import NO_STEERING, Batching, Job, ModelSpec, Steering
 
-from .finite import check_scores, finite_generation
-from .schedule import gather
-from .tokenize import Plan, empty_context, iter_encode_pairs, make_plan
-from .steer import for_model, warn_once
+from driver.lm.finite import check_scores, finite_generation
+from cluster.schedule import gather
+from driver.lm.tokenize import Plan, empty_context, iter_encode_pairs, make_plan
+from driver.steering.spec import for_model, warn_once
 
 TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
 _TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -162,7 +162,7 @@ class OrchardLM(TemplateLM):
         for ignored in ("device", "max_batch_size"):  # lm-eval passes these to every backend
             kwargs.pop(ignored, None)
         self._init_extra(kwargs)
-        from .settings import check_model_args
+        from driver.checks.settings import check_model_args
 
         given = dict(max_batch_tokens=max_batch_tokens, max_length=max_length, dtype=dtype, prefix_reuse=prefix_reuse,
                      max_gen_toks=max_gen_toks, trust_remote_code=trust_remote_code)  # fmt: skip
@@ -189,7 +189,7 @@ class OrchardLM(TemplateLM):
         self.generation_defaults = json.loads(gen_config.read_text()) if gen_config.exists() else {}
         self._max_length = context_window(config, self.spec.max_length)
         self.max_gen_toks = int(max_gen_toks)
-        self._token_plan: Plan | None = None  # what driver.tokenize proved for this tokenizer (on first use)
+        self._token_plan: Plan | None = None  # what driver.lm.tokenize proved for this tokenizer (on first use)
         self.steering, self.steering_record = model_steering(steer, config)
         self.identity = {
             "model": self.spec.model,
@@ -204,7 +204,7 @@ class OrchardLM(TemplateLM):
     def _init_extra(self, kwargs: dict) -> None:
         """Subclasses take their own model_args here; anything left is a mistake worth a clear error."""
         if kwargs:
-            from .settings import MODEL_ARGS, RAY_ONLY, closest
+            from driver.checks.settings import MODEL_ARGS, RAY_ONLY, closest
 
             valid = [k for k in MODEL_ARGS if hasattr(self, "ray_args") or k not in RAY_ONLY]
             first = sorted(kwargs)[0]
@@ -274,7 +274,7 @@ class OrchardLM(TemplateLM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """TemplateLM.loglikelihood, streamed: requests are tokenized in pieces on a background thread (the Feed
-        of driver.schedule) and each piece goes to the workers as soon as it is ready."""
+        of cluster.schedule) and each piece goes to the workers as soon as it is ready."""
         pairs = [r.args for r in requests]
         bounds = list(pieces([context for context, _ in pairs]))
         bar = tqdm(total=len(pairs), desc="Tokenizing", unit="req", disable=disable_tqdm)
@@ -294,7 +294,7 @@ class OrchardLM(TemplateLM):
     def encode_pieces(self, pairs: Sequence[tuple[str, str]], bounds: list[tuple[int, int]]) -> Iterator[list[TokenPair]]:
         """Token ids of (context, continuation) pairs exactly as TemplateLM.loglikelihood makes them (the
         empty-context rule, trailing spaces moved to the continuation), piece by piece ([lo, hi) `bounds`):
-        driver.tokenize's batch path, each piece spot-checked against lm-eval's own per-request path. A mismatch
+        driver.lm.tokenize's batch path, each piece spot-checked against lm-eval's own per-request path. A mismatch
         would be a wrong number: the rest of the run then takes lm-eval's path, with a warning."""
         if self._token_plan is None:
             self._token_plan = make_plan(self.tokenizer)

@@ -88,7 +88,7 @@ def open_model(args: dict[str, Any]):
     """The `mlx-ray` lm-eval model, workers started; bad settings and cluster problems as one-line errors."""
     from cluster import ClusterError
 
-    from .ray_lm import MLXRayLM
+    from driver.lm.mlx_ray import MLXRayLM
 
     try:
         return MLXRayLM.create_from_arg_obj(args)
@@ -113,8 +113,8 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     from cluster import ClusterError
     from worker.load import ModelLoadError
 
-    from .finite import NonFiniteScore
-    from .quiet import quiet_lm_eval
+    from driver.lm.finite import NonFiniteScore
+    from driver.lm.quiet import quiet_lm_eval
 
     quiet_lm_eval()
     tracker = EvaluationTracker(output_path=output_path)

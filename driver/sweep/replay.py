@@ -10,7 +10,7 @@ from typing import Any
 
 from worker.spec import Job, Steering
 
-from .schedule import gather
+from cluster.schedule import gather
 
 
 class Recorder:
@@ -61,7 +61,7 @@ def swapped_executor(lm, executor):
 def lm_eval_per_config(lm, args, sweep, calls, answers, results, output, echo, failed: dict[int, str]) -> None:
     """lm-eval's results per configuration into `results`, its recorded `calls` answered from the grid's
     `answers`; a `failed` configuration (non-finite scores) is skipped: its rows are failed cells."""
-    from .evaluation import evaluate
+    from driver.lm.evaluation import evaluate
 
     offsets: dict[str, int] = {"loglikelihood": 0, "generate": 0}
     spans = []

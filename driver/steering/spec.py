@@ -20,7 +20,7 @@ resolves negative layers; `for_model` does both for one model, so a negative lay
 is that of the layer it resolves to, and values are checked in the dtype the model computes in. Every problem
 is a one-line `SteeringError` naming the file, the field and the fix. `warn_once` prints the notes workers
 attach to results (steering that swamps the residual stream) once per run. The file's schema and its
-validation errors in the user's words are `driver.steer_schema`.
+validation errors in the user's words are `driver.steering.schema`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import numpy as np
 from worker.load import model_shape
 from worker.spec import FLOAT_MAX, Intervention, Steering, SteeringError, overflow, steering_overflow
 
-from .steer_schema import InterventionSpec, SpecFile, VectorRef, _fail, _validate
-from .userfiles import load_yaml, yaml_problem
+from driver.steering.schema import InterventionSpec, SpecFile, VectorRef, _fail, _validate
+from driver.steering.userfiles import load_yaml, yaml_problem
 
 __all__ = ["SteeringError", "SteeringRun", "SpecFile", "load_steering", "for_model", "check", "model_shape", "warn_once"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from . import preflight
+from driver.checks import preflight
 
 
 @click.command()

@@ -7,7 +7,7 @@ Files in the output folder:
     results.jsonl, results.csv   one row per configuration × metric (COLUMNS)
     generations.jsonl            one row per configuration × prompt of a prompt set
     lm-eval/<config>.json        lm-eval's results for that configuration
-    plots/heatmap-<task>-<metric>.png, plots/lines-<task>-<metric>.png   (driver.plots)
+    plots/heatmap-<task>-<metric>.png, plots/lines-<task>-<metric>.png   (driver.sweep.plots)
     summary.md, run.json         the grid, the baseline, the best and largest changes, failed and degenerate
                                  configurations, the run's facts
 
@@ -27,11 +27,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import fluency, outdir
-from .evaluation import on_workers
-from .plots import BASELINE, DPI, by_metric, facets, heatmap, heatmap_size, lines, lines_size, unit
-from .plots import _fmt
-from .sweep_rows import failures
+from driver.sweep import fluency
+from driver.sweep import outdir
+from driver.lm.evaluation import on_workers
+from driver.sweep.plots import BASELINE, DPI, by_metric, facets, heatmap, heatmap_size, lines, lines_size, unit
+from driver.sweep.plots import _fmt
+from driver.sweep.rows import failures
 
 __all__ = ["COLUMNS", "DPI", "heatmap_size", "lines_size", "unit", "write_outputs", "read_csv", "run_facts", "problems", "slug"]
 

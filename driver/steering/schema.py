@@ -1,5 +1,5 @@
 """The steering spec's schema as written in a YAML/JSON file (pydantic models), and its validation errors as
-one-line `SteeringError`s in the user's words (`driver.steer` reads the files and the vectors)."""
+one-line `SteeringError`s in the user's words (`driver.steering.spec` reads the files and the vectors)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pydantic import field_validator
 
 from worker.spec import OPS, POSITIONS, SITES, SteeringError
 
-from .userfiles import explain, short
+from driver.steering.userfiles import explain, short
 
 
 def _fail(where: str, field: str, problem: str) -> SteeringError:

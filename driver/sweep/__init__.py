@@ -26,13 +26,13 @@ shape, every vector, the tasks, the prompt set), before any worker starts or any
    set's requests (target log-probabilities, generations) in one chunked dispatch per request kind, each cell
    cached as it arrives under the key a per-configuration `run` uses: a rerun computes only what is missing.
 3. lm-eval runs once per configuration with that steering, its requests answered from step 2, for lm-eval's
-   own metrics (driver.sweep_lm_eval).
-4. The unsteered model scores every configuration's generations (driver.fluency), through the same grid.
+   own metrics (driver.sweep.replay).
+4. The unsteered model scores every configuration's generations (driver.sweep.fluency), through the same grid.
 
-A configuration whose scores are non-finite is set aside (driver.sweep_grid) and recorded as failed cells
-(driver.sweep_rows), never as numbers.
+A configuration whose scores are non-finite is set aside (driver.sweep.grid) and recorded as failed cells
+(driver.sweep.rows), never as numbers.
 
-`driver.report` turns the rows into the output folder's tables, summary and plots.
+`driver.sweep.report` turns the rows into the output folder's tables, summary and plots.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 
 from worker.spec import NO_STEERING, Intervention, Steering
 
-from . import fluency
-from .sweep_grid import run_grids
-from .sweep_lm_eval import Recorder, lm_eval_per_config, swapped_executor
-from .sweep_rows import PROMPT_HIGHER, Outcome, add_deltas, lm_eval_failure, lm_eval_rows, prompt_rows
-from .targets import count_long, truncated, unequal_lengths
-from .targets import score as target_score
-from .userfiles import explain, jsonl_lines, short
+from driver.sweep import fluency
+from driver.sweep.grid import run_grids
+from driver.sweep.replay import Recorder, lm_eval_per_config, swapped_executor
+from driver.sweep.rows import PROMPT_HIGHER, Outcome, add_deltas, lm_eval_failure, lm_eval_rows, prompt_rows
+from driver.sweep.targets import count_long, truncated, unequal_lengths
+from driver.sweep.targets import score as target_score
+from driver.steering.userfiles import explain, jsonl_lines, short
 
 __all__ = ["SweepError", "SweepFile", "Sweep", "Config", "Prompt", "load_sweep", "run"]
 
@@ -320,7 +320,7 @@ def _read_yaml(path: Path) -> Any:
         raise SweepError(f"{path}: no such file (check the path)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise SweepError(_one_line(f"{path}: cannot read the file ({type(e).__name__}: {e})")) from None
-    from .userfiles import load_yaml, yaml_problem
+    from driver.steering.userfiles import load_yaml, yaml_problem
 
     try:
         return load_yaml(text)  # JSON is YAML; a key given twice is refused, naming its lines
@@ -402,7 +402,7 @@ def _layers(grid: Grid, n_layers: int, where: str) -> list[int]:
 
 def _load_vector(name: str, source: VectorSource, site: str, layer: int, directionless: bool, shape, base: Path, where: str):
     """The checked `Intervention` (alpha 1, op add) for one vector at one site and layer, and its record."""
-    from .steer import SteeringError, check, load_steering
+    from driver.steering.spec import SteeringError, check, load_steering
 
     label = f"vectors.{name}"
     if source.layers is not None:
@@ -518,7 +518,7 @@ _MANAGERS: dict[str | None, Any] = {}
 
 
 def _check_task_names(names: Sequence[str], include: str | None, where: str) -> None:
-    from .preflight import BadUsage, Refused, check_tasks
+    from driver.checks.preflight import BadUsage, Refused, check_tasks
 
     for name in names:
         try:
@@ -539,7 +539,7 @@ def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
 
     from lm_eval.tasks import TaskManager
 
-    from .evaluation import Plan, parse_seeds
+    from driver.lm.evaluation import Plan, parse_seeds
 
     if include not in _MANAGERS:  # indexing lm-eval's tasks takes seconds: once per process and folder
         _MANAGERS[include] = TaskManager(include_path=include)
@@ -561,8 +561,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     """Read and check a sweep file against its model, vectors, tasks and prompt sets; starts no worker."""
     from worker.load import ModelLoadError, context_window
 
-    from .lm import model_config
-    from .steer import model_shape
+    from driver.lm.mlx import model_config
+    from driver.steering.spec import model_shape
 
     path = Path(path).expanduser()
     where = str(path)
@@ -636,7 +636,7 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         threads: int | None = None, stage: bool = False, echo=print) -> Outcome:  # fmt: skip
     """Run a checked sweep on one `mlx-ray` model; returns the rows (nothing is written here but the cache
     and lm-eval's results JSON per configuration)."""
-    from .evaluation import evaluate, open_model
+    from driver.lm.evaluation import evaluate, open_model
 
     start = time.monotonic()
     args = {**sweep.model_args, "workers": workers, "cache": cache or str(output / "cache"), "stage": stage}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from worker.generate import NON_FINITE as GEN_NON_FINITE
 
-from .sweep_rows import NON_FINITE, finite
+from driver.sweep.rows import NON_FINITE, finite
 
 FAILED_GENERATING = f"{GEN_NON_FINITE} while generating"
 
