@@ -48,7 +48,7 @@ def main() -> None:
         print(f"{'python -m driver --help':<44} {timed([*py, '-m', 'driver', '--help'], env):6.2f} s")
         code = "import time; from lm_eval.tasks import TaskManager; t = time.perf_counter(); TaskManager(); print(time.perf_counter() - t)"
         print(f"{'lm-eval TaskManager() (old time to error)':<44} {timed([*py, '-c', code], env):6.2f} s")
-        code = "from driver.checks.preflight import scan_task_names, _lm_eval_tasks; scan_task_names(_lm_eval_tasks()[0])"
+        code = "from driver.checks.tasks import scan_task_names, _lm_eval_tasks; scan_task_names(_lm_eval_tasks()[0])"
         print(f"{'Orchard task-name scan (cold)':<44} {timed([*py, '-c', code], env):6.2f} s")
         print()
         print(f"{'case':<34} {'exit':>4} {'seconds':>8}  error")
@@ -68,7 +68,7 @@ def main() -> None:
         if opts.parity:
             from lm_eval.tasks import TaskManager
 
-            from driver.checks.preflight import _lm_eval_tasks, scan_task_names
+            from driver.checks.tasks import _lm_eval_tasks, scan_task_names
 
             ours, theirs = scan_task_names(_lm_eval_tasks()[0]), set(TaskManager().all_tasks)
             print(f"task names: scan {len(ours)}, TaskManager {len(theirs)}, only in scan {len(ours - theirs)}, only in TaskManager {len(theirs - ours)}")

@@ -19,9 +19,9 @@ import time
 import numpy as np
 import ray
 
-from cluster import place
+from cluster import Pool, place
+from cluster.schedule import Merge, cut, dispatch
 from driver.lm.cache import Cache, identity, key
-from cluster.schedule import Merge, Pool, cut, dispatch
 
 MAX_BATCH_TOKENS = 8192
 

@@ -298,12 +298,12 @@ def extraction(lm, pairs, layers: list[int], pool, capture_s: list[float]):
 
     def run():
         full, seconds = ex.pool, ex.seconds
-        ex.pool = pool
+        ex.workers.pool = pool
         try:
             capture = lambda requests, points: ex.run(lm.job("capture", points=tuple(points)), requests)  # noqa: E731
             return vec.extract(capture, lm.tok_encode, pairs, layers, "resid_post", "mean-diff", -1)
         finally:
-            ex.pool = full
+            ex.workers.pool = full
             capture_s.append(ex.seconds - seconds)
 
     return run

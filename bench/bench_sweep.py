@@ -204,7 +204,7 @@ def part_one(path: Path, data: dict, configs: list, args) -> list[list]:
 
 
 def part_two(path: Path, pairs: list, warm_pairs: list, configs: list, ref: list[list], args) -> None:
-    from driver.lm.mlx_ray import RayExecutor
+    from driver.lm.mlx_ray import ray_executor
     from worker.spec import Batching, ModelSpec
 
     spec = ModelSpec(model=str(path))
@@ -214,8 +214,8 @@ def part_two(path: Path, pairs: list, warm_pairs: list, configs: list, ref: list
     blas, shares = "?", {}
     for r in range(args.repeat):
         for workers in ((1, 2) if r % 2 == 0 else (2, 1)):
-            ex = RayExecutor(spec, batching, model_identity={"model": str(path)}, max_length=2048, workers=workers,
-                             address="local", threads=1)
+            ex = ray_executor(spec, batching, model_identity={"model": str(path)}, max_length=2048, workers=workers,
+                              address="local", threads=1)
             try:
                 blas = ex.facts[0].get("blas", "?")
                 ex.run_grid("loglikelihood", configs, warm_pairs)  # warm-up

@@ -15,6 +15,7 @@ explicit address Ray never enables that by itself (a token is not sent to whatev
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -26,6 +27,8 @@ from pathlib import Path
 LOCAL = "local"
 START_HINT = "start one with `ray start --head --resources='{\"mlx\": 1}'`, or pass --address local"
 PROBE_TIMEOUT = 3.0
+HOST = "127.0.0.1"  # where the local cluster (cluster.local) binds
+FOLDER = "local-cluster"
 
 
 class ClusterError(RuntimeError):
@@ -156,10 +159,23 @@ def _ask(address: str, metadata: tuple):
     return None
 
 
+def home() -> Path:
+    """Where the local cluster (cluster.local) keeps its token and state: $ORCHARD_HOME/local-cluster, else
+    ~/.cache/orchard/local-cluster ($XDG_CACHE_HOME honoured)."""
+    root = os.environ.get("ORCHARD_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "orchard")
+    return Path(root).expanduser() / FOLDER
+
+
+def read_state() -> dict | None:
+    """The local cluster's state.json (its address, port and token file), None without one."""
+    try:
+        return json.loads((home() / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _local_token(address: str) -> str | None:
     """The token file of the local cluster (`driver cluster up`, cluster.local) when `address` is its address."""
-    from .local import HOST, read_state
-
     state, target = read_state(), _split(address)
     if not state or target is None:
         return None

@@ -21,10 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .connect import ClusterError
+from .connect import HOST, ClusterError, home, read_state
 
-HOST = "127.0.0.1"
-FOLDER = "local-cluster"
 STOP_HINT = "stop it with `driver cluster down`"
 # `ray start` for a second node: Ray only joins a cluster with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 on macOS, and with
 # it Ray rewrites 127.0.0.1 (the head's and this node's) into this machine's network address, where a loopback head
@@ -34,12 +32,6 @@ JOIN_LOOPBACK = (
     "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"
 )
 RAY_CLI = "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"
-
-
-def home() -> Path:
-    """$ORCHARD_HOME/local-cluster, else ~/.cache/orchard/local-cluster ($XDG_CACHE_HOME honoured)."""
-    root = os.environ.get("ORCHARD_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "orchard")
-    return Path(root).expanduser() / FOLDER
 
 
 def token_file() -> Path:
@@ -63,13 +55,6 @@ def driver_env(state: dict) -> dict[str, str]:
         "RAY_AUTH_TOKEN_PATH": state["token_file"],
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     }
-
-
-def read_state() -> dict | None:
-    try:
-        return json.loads((home() / "state.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def answers(state: dict) -> bool:

@@ -1,4 +1,4 @@
-"""Orchard's head node: lm-eval models (`mlx`, `mlx-ray`), scheduling, merging, the CLI.
+"""Orchard's head node, as rooms: `cli`, `checks`, `lm` (the lm-eval models `mlx`, `mlx-ray`), `steering`, `sweep`.
 
 `import driver` registers the models with lm-eval. lm-eval's own backends are registered lazily when
 `lm_eval.models` is first imported; importing it first keeps them visible next to ours.

@@ -118,6 +118,20 @@ def test_cache_folder_is_created_with_its_parents(tmp_path):
     assert Cache(folder).get([k]) == {k: [-1.5, True]}
 
 
+def test_the_cache_file_is_made_at_its_first_write(tmp_path):
+    folder = tmp_path / "cache"
+    cache = Cache(folder)
+    k = key(identity(MODEL), "loglikelihood", ((1,), (2,)))
+    assert cache.get([k]) == {} and not cache.knows(identity(MODEL))  # reads of a cache that holds nothing
+    cache.put([])
+    cache.close()
+    assert not folder.exists()  # a run that wrote nothing (refused, interrupted early) leaves nothing behind
+    cache = Cache(folder)
+    cache.remember(identity(MODEL))
+    assert (folder / "results.sqlite").is_file() and Cache(folder).knows(identity(MODEL))
+    cache.close()
+
+
 def test_writes_are_committed_and_visible_to_another_connection(tmp_path):
     import sqlite3
 

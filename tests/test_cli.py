@@ -77,12 +77,10 @@ def test_usage_errors_are_one_line_with_one_hint(common):
 
 
 def test_an_unexpected_error_is_one_line_too(common, monkeypatch):
-    from driver.checks import preflight
-
     def broken(*args, **kwargs):
         raise KeyError("boom")
 
-    monkeypatch.setattr(preflight, "writable_folder", broken)
+    monkeypatch.setattr("driver.cli.run.writable_folder", broken)
     result = CliRunner().invoke(main, ["run", *common, "--tasks", "orchard_mc", "--workers", "1"])
     assert result.exit_code == 1
     assert result.output.splitlines() == [

@@ -328,13 +328,13 @@ def eos_model(llama_path, tasks_dir, tmp_path_factory):
 def test_families_stops_eos_and_truncation_match_in_process_model(ray_cluster, eos_model, long_tasks, monkeypatch):
     """mlx-ray vs mlx at the model's own 512-token window: few-shot families (kept whole by the scheduler, reused
     on the workers), generations that stop at a stop string, at EOS and at max_gen_toks."""
-    import driver.lm.mlx_ray
+    import cluster.plan
     from parity_tasks import LONG_TASKS, coverage
     from worker.load import load
 
     cuts: list = []
-    real_cut = driver.lm.mlx_ray.cut
-    monkeypatch.setattr(driver.lm.mlx_ray, "cut", lambda costs, groups, **kw: cuts.append((costs, groups, real_cut(costs, groups, **kw))) or cuts[-1][2])
+    real_cut = cluster.plan.cut
+    monkeypatch.setattr(cluster.plan, "cut", lambda costs, groups, **kw: cuts.append((costs, groups, real_cut(costs, groups, **kw))) or cuts[-1][2])
     args = {"pretrained": str(eos_model), "batch_size": 4, "max_batch_tokens": 512}
     reference = evaluate("mlx", args, long_tasks, LONG_TASKS)
     lm = MLXRayLM.create_from_arg_obj({**args, "workers": 2})
@@ -422,16 +422,18 @@ def test_a_model_too_large_for_a_node_is_refused_in_one_line_before_loading(ray_
 
 
 def test_a_workers_refusal_inside_an_lm_eval_run_is_one_click_error(ray_cluster, llama_path, tasks, tmp_path):
-    """What `driver run` and `driver sweep` get when a worker refuses the model at the first job."""
+    """What `driver run` and `driver sweep` get when a worker refuses the model at the first job: one line, and
+    no empty results.sqlite left in the cache folder (the cache file is made at its first write)."""
     import click
 
     from driver.lm.evaluation import Plan, evaluate, parse_seeds
 
     model = type("SmallRayLM", (MLXRayLM,), {"actor_cls": SmallNode})
-    lm = model(pretrained=str(llama_path), workers=2)
+    lm = model(pretrained=str(llama_path), workers=2, cache=str(tmp_path / "cache"))
     try:
         with pytest.raises(click.ClickException) as e:
-            evaluate(lm, {}, Plan(seeds=parse_seeds("0"), names=MC, manager=tasks), str(tmp_path))
+            evaluate(lm, {}, Plan(seeds=parse_seeds("0"), names=MC, manager=tasks), str(tmp_path / "out"))
     finally:
         lm.executor.close()
     assert "\n" not in e.value.message and "cannot load the model: the model's weights" in e.value.message
+    assert not (tmp_path / "cache").exists()  # nothing half-written

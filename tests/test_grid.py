@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from driver.lm.cache import grid_keys, job_prefix, key
-from driver.lm.mlx import LocalExecutor
+from driver.lm.local import LocalExecutor
 from worker.generate import GenRequest
 from worker.grid import GRID_BLOCK, grid_generate, grid_loglikelihood, shares_lower, split_point
 from worker.hooks import decoder_layers
@@ -307,30 +307,22 @@ def test_grid_jobs_and_their_keys():
     assert grid_keys(ident, "generate", [s], gen) == [[key(job_prefix(ident, Job(kind="generate", steering=s)), "generate", gen[0])]]
 
 
-# --- the driver: chunk planning --------------------------------------------------------------------------
+# --- the head: chunk planning (cluster.plan) ---------------------------------------------------------------
 
 
-def _planner(workers: int, max_batch_tokens: int = 256):
-    from types import SimpleNamespace
-
-    from driver.lm.mlx_ray import RayExecutor
-
-    ex = RayExecutor.__new__(RayExecutor)
-    ex.pool = SimpleNamespace(alive=set(range(workers)))
-    ex._facts = [{"n_layers": LAYERS}]  # as if every worker were ready
-    ex.batching = Batching(batch_size=4, max_batch_tokens=max_batch_tokens)
-    ex.max_length = MAX_LENGTH
-    return ex
+def _planner(workers: int, max_batch_tokens: int = 256) -> dict:
+    return {"workers": workers, "n_layers": LAYERS, "max_batch_tokens": max_batch_tokens}  # as if every worker were ready
 
 
-def _plan(ex, grid, reqs, done=()):
+def _plan(planner, grid, reqs, done=()):
+    from cluster.plan import grid_chunks, request_costs
     from cluster.schedule import Merge
 
     merges = [Merge(len(reqs)) for _ in grid]
     for c, i in done:
         merges[c].add([i], [None])
-    costs, groups = ex._plan("loglikelihood", reqs)
-    chunks, chunk_costs = ex._grid_chunks(grid, costs, groups, merges)
+    costs, groups = request_costs("loglikelihood", reqs, MAX_LENGTH, Batching().prefix_reuse)
+    chunks, chunk_costs = grid_chunks(grid, costs, groups, merges, **planner)
     assert len(chunk_costs) == len(chunks) and all(c >= 0 for c in chunk_costs)
     cells = [(c, i) for block, idx in chunks for c in block for i in idx]
     assert len(cells) == len(set(cells)) and set(cells) | set(done) == {(c, i) for c in range(len(grid)) for i in range(len(reqs))}
@@ -355,9 +347,9 @@ def test_chunks_cover_each_missing_cell_once_and_keep_workers_busy():
 
 
 def _ray_executor(path: Path, workers: int, cache_dir=None, files=None):
-    from driver.lm.mlx_ray import RayExecutor
+    from driver.lm.mlx_ray import ray_executor
 
-    return RayExecutor(
+    return ray_executor(
         ModelSpec(model=str(path), max_length=MAX_LENGTH),
         Batching(batch_size=4, max_batch_tokens=128),
         model_identity={"model": str(path), "max_length": MAX_LENGTH},

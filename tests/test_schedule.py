@@ -385,3 +385,35 @@ def test_fewer_chunks_per_worker_make_larger_chunks():
     assert len(first[0]) == math.ceil(10_000 / (PER_WORKER // 2 * 3)) // 10  # the budget's share of the tokens
     plain = cut(costs, [[i] for i in range(1000)], workers=3, max_tokens=10**6, min_tokens=1)
     assert len(first) < len(plain)
+
+
+def test_intake_reads_each_piece_from_the_cache_and_cuts_only_what_it_lacks(tmp_path):
+    """cluster.intake without a cluster: a streamed run's pieces, the real result cache and progress bar."""
+    from cluster.intake import Intake, Stored
+    from cluster.plan import cut_piece
+    from cluster.schedule import Feed
+    from driver.lm.cache import Cache
+    from driver.lm.progress import Progress
+    from worker.spec import Batching, Job
+
+    requests = [((1, 2, i), (3, i)) for i in range(10)]
+    job, batching = Job(kind="loglikelihood"), Batching(batch_size=4, max_batch_tokens=8)
+    stored = Stored(Cache(tmp_path))
+    stored.identify({"model": "m"})
+    keys = stored.cache.keys(stored.prefix(job), job.kind, requests)
+    stored.store([(keys[i], [-float(i), True]) for i in (0, 3, 4, 9)])  # an earlier run's results
+
+    def cutter(*args, **kw):
+        return cut_piece(*args, workers=2, batching=batching, max_length=64, **kw)
+
+    intake = Intake(stored, Progress(), cutter, job, Feed([requests[:5], requests[5:]]), len(requests))
+    costs = []
+    while (new := intake.more(5.0)) is not None:
+        costs += new
+    assert intake.todo == requests and len(costs) == len(intake.chunks) > 1
+    missing = sorted(i for chunk in intake.chunks for i in chunk)
+    assert missing == [1, 2, 5, 6, 7, 8] and intake.merge.count == stored.cached == 4
+    intake.store(missing, [[-float(i), False] for i in missing])  # what the workers would send back
+    assert [r[0] for r in intake.merge.result()] == [-float(i) for i in range(10)]
+    assert len(stored.cache.get(keys)) == 10  # the new results cached under the same keys
+    stored.cache.close()

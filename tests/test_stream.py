@@ -10,7 +10,8 @@ import time
 import pytest
 from lm_eval.api.instance import Instance
 
-from driver.lm.mlx import FIRST_PIECE, LARGEST_PIECE, MLXLM, pieces, spot_checks
+from driver.lm.mlx import MLXLM
+from driver.lm.stream import FIRST_PIECE, LARGEST_PIECE, pieces, spot_checks
 from cluster.schedule import Feed
 
 

@@ -19,8 +19,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from driver.sweep import outdir
-from driver.sweep import report
+from driver.sweep import outdir, plots, report, summary
 from driver.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,18 +111,18 @@ def test_outputs_have_one_row_per_configuration_and_metric_and_valid_plots(runs,
     assert any(r["stderr"] is not None for r in rows if r["task"] == "orchard_mc")
     assert all(r["n"] == 4 for r in rows if r["metric"] not in ("fluency_logprob", "repetition_rate"))  # those: non-empty texts
     assert all(r["error"] is None and r["fluent"] in (True, False) for r in rows)
-    plots = sorted((folder / "plots").glob("*.png"))
-    assert len(plots) == 2 * (TASK_METRICS + PROMPT_METRICS)
-    heat = tuple(int(x * report.DPI) for x in reversed(report.heatmap_size(2, 3)))  # alphas -2, 0 (baseline), 2
-    lines = tuple(int(x * report.DPI) for x in reversed(report.lines_size(1)))
-    for png in plots:
+    pngs = sorted((folder / "plots").glob("*.png"))
+    assert len(pngs) == 2 * (TASK_METRICS + PROMPT_METRICS)
+    heat = tuple(int(x * plots.DPI) for x in reversed(plots.heatmap_size(2, 3)))  # alphas -2, 0 (baseline), 2
+    lines = tuple(int(x * plots.DPI) for x in reversed(plots.lines_size(1)))
+    for png in pngs:
         image = matplotlib.image.imread(png)
         assert image.shape[:2] == (heat if png.name.startswith("heatmap-") else lines), png.name
         assert image.std() > 0.01  # not blank
     assert len(list((folder / "lm-eval").glob("*.json"))) == len(configs)
-    summary = (folder / "summary.md").read_text()
-    assert "## Baseline" in summary and "largest change" in summary and "requests/s" in summary
-    assert "plots/heatmap-prompts-logprob_diff.png" in summary
+    text = (folder / "summary.md").read_text()
+    assert "## Baseline" in text and "largest change" in text and "requests/s" in text
+    assert "plots/heatmap-prompts-logprob_diff.png" in text
 
 
 def test_a_configuration_equals_an_independent_steered_run(runs, study, tasks_dir):
@@ -339,17 +338,17 @@ def test_fluency_is_the_unsteered_models_per_token_score_of_each_text_and_decide
 def test_best_is_the_best_value_among_fluent_configurations(runs):
     rows = report.read_csv(runs[1] / "results.csv")
     text = (runs[1] / "summary.md").read_text()
-    summary = text[text.index("## Per metric") :].splitlines()
+    per_metric = text[text.index("## Per metric") :].splitlines()
     for metric, pick in (("logprob_diff", max), ("logprob_negative", min), ("p_positive", max)):
         grid = [r for r in rows if r["task"] == "prompts" and r["metric"] == metric and r["config"] != "baseline"]
         want = pick((r for r in grid if r["fluent"] is not False), key=lambda r: r["value"], default=None)
-        line = next(x for x in summary if x.startswith(f"| prompts | {metric} |"))
+        line = next(x for x in per_metric if x.startswith(f"| prompts | {metric} |"))
         assert line.split(" | ")[3].startswith(label(want) if want else "–"), (line, want)
     # the rule itself, on rows where each choice gives a different answer
     rows = [{"config": c, "value": v, "delta": v, "fluent": f} for c, v, f in (("a", 1.0, True), ("b", 3.0, False), ("c", 2.0, True))]
-    assert report.extremes(rows, True)[0]["config"] == "c"  # b is higher but not fluent
-    assert report.extremes(rows, False)[0]["config"] == "a"
-    assert report.extremes(rows, None)[1]["config"] == "b"  # the largest change is any configuration's
+    assert summary.extremes(rows, True)[0]["config"] == "c"  # b is higher but not fluent
+    assert summary.extremes(rows, False)[0]["config"] == "a"
+    assert summary.extremes(rows, None)[1]["config"] == "b"  # the largest change is any configuration's
 
 
 def strict_json(text: str):
@@ -393,8 +392,8 @@ def test_an_extreme_alpha_is_a_failed_cell_and_every_output_stays_valid(ray_clus
     gens = [strict_json(line) for line in open(out / "generations.jsonl")]
     failed = [g for g in gens if g["alpha"] == 3.0e38]
     assert failed and all(g["fluent"] is False and g["empty"] == (g["text"] == "") for g in failed)
-    summary = (out / "summary.md").read_text()
-    assert "## Failed configurations" in summary and "v L0 resid_post replace α=3e+38 (all)" in summary
+    text = (out / "summary.md").read_text()
+    assert "## Failed configurations" in text and "v L0 resid_post replace α=3e+38 (all)" in text
 
 
 def test_a_configuration_that_fails_only_while_generating_is_set_aside(ray_cluster, llama_path, tasks_dir, tmp_path):
@@ -461,7 +460,7 @@ def test_a_second_sweep_into_a_busy_folder_is_refused_and_a_dead_holder_does_not
     assert code == 1 and len(errors) == 1 and "another sweep is writing to this folder" in errors[0], output
     assert [p.name for p in busy.iterdir()] == [outdir.LOCK_NAME]  # nothing written
     holder = subprocess.run(  # a sweep killed while it held the lock
-        [sys.executable, "-c", f"import os, signal; from driver import outdir; outdir.lock({str(busy)!r}); os.kill(os.getpid(), signal.SIGKILL)"],
+        [sys.executable, "-c", f"import os, signal; from driver.sweep import outdir; outdir.lock({str(busy)!r}); os.kill(os.getpid(), signal.SIGKILL)"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert holder.returncode == -signal.SIGKILL
@@ -472,12 +471,13 @@ def test_an_unknown_task_is_refused_before_lm_eval_indexes_its_tasks(llama_path,
     import lm_eval.tasks
 
     from driver import sweep as sweep_module
+    from driver.sweep import plan
 
     def no_index(*args, **kwargs):
         raise AssertionError("lm-eval's task index was built")
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", no_index)
-    monkeypatch.setattr(sweep_module, "_MANAGERS", {})
+    monkeypatch.setattr(plan, "_MANAGERS", {})
     path = write_study(tmp_path, llama_path, tasks_dir)
     path.write_text(path.read_text().replace("names: [orchard_mc,", "names: [orchard_mcq,"))
     with pytest.raises(sweep_module.SweepError, match="tasks.names: unknown task 'orchard_mcq'"):

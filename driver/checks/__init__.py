@@ -1,1 +1,1 @@
-"""What the user typed and named, checked before anything expensive: settings, files, model, tokenizer, tasks."""
+"""What the user typed and named, checked before anything expensive: settings, files, model, tokenizer, tasks, cluster."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from driver.checks.preflight import BadUsage, Refused
+from driver.checks.errors import BadUsage, Refused
 
 
 def available(task) -> int:

@@ -1,9 +1,7 @@
-"""`driver cluster`: a multi-node Ray cluster on this machine (`up`, `down`, `status`), and `check` for a `ray up`
-cluster YAML (Ray's own validation, then what Orchard needs on Macs).
+"""`driver cluster`: a local multi-node Ray cluster (`up`, `down`, `status`) and `check` for a `ray up` cluster YAML."""
 
-Every error is a `click.ClickException` (one `Error:` line, exit 1) or a usage error (exit 2); the `driver` group
-prints them. This module never imports `driver.cli` (which registers it).
-"""
+# Every error is a `click.ClickException` (one `Error:` line, exit 1) or a usage error (exit 2), printed by the
+# `driver` group; this module never imports `driver.cli` (which registers it).
 
 from __future__ import annotations
 

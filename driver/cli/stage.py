@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from driver.checks import preflight
+from driver.checks.cluster import check_address, check_address_syntax
 
 
 @click.command()
@@ -23,12 +23,12 @@ def stage(model: str, revision: str | None, address: str | None) -> None:
     from worker.load import ModelLoadError
     from worker.staged import StageError
 
-    preflight.check_address_syntax(address)  # exit 2
+    check_address_syntax(address)  # exit 2
     try:
         source_folder(model, revision)  # a bad path or an unreachable repo fails before Ray starts
     except ModelLoadError as e:
         raise click.ClickException(str(e)) from None
-    preflight.check_address(address)  # syntax (exit 2), reachable, token authentication
+    check_address(address)  # syntax (exit 2), reachable, token authentication
     try:
         connection = connect(address)
     except ClusterError as e:

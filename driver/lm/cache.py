@@ -95,47 +95,78 @@ def grid_keys(ident: bytes, kind: str, steerings: Sequence[Steering], requests: 
 
 class Cache:
     """One sqlite connection, usable from any thread one call at a time (a lock): the executor that holds it
-    may be closed by its finalizer on whichever thread collects it (sqlite's own check would refuse that)."""
+    may be closed by its finalizer on whichever thread collects it (sqlite's own check would refuse that).
+    The key functions are its methods too, so an executor handed a Cache (cluster.executor) makes its keys."""
+
+    identity = staticmethod(identity)
+    job_prefix = staticmethod(job_prefix)
+    keys = staticmethod(keys)
+    grid_keys = staticmethod(grid_keys)
 
     def __init__(self, directory: str | Path):
-        from driver.checks.preflight import cache_problem
+        from driver.checks.files import cache_problem
 
         self.path = Path(directory).expanduser() / FILE
         problem = cache_problem(self.path)  # a corrupt or foreign file: refused, never written to
         if problem:
             raise ValueError(problem)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, check_same_thread=False)
         self.lock = threading.Lock()
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS results (key BLOB PRIMARY KEY, value TEXT NOT NULL)")
-        self.db.execute("CREATE TABLE IF NOT EXISTS models (identity BLOB PRIMARY KEY)")  # whose results are here
+        self.db: sqlite3.Connection | None = None
+        self.closed = False
+        if self.path.exists():
+            self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        """The connection; the folder, file and tables are made at the first write (a run refused before it
+        writes anything, e.g. a worker refusing damaged weights, leaves no empty results.sqlite behind)."""
+        if self.db is None:
+            if self.closed:
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")  # as sqlite says once opened
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("CREATE TABLE IF NOT EXISTS results (key BLOB PRIMARY KEY, value TEXT NOT NULL)")
+            db.execute("CREATE TABLE IF NOT EXISTS models (identity BLOB PRIMARY KEY)")  # whose results are here
+            self.db = db
+        return self.db
+
+    def _reader(self) -> sqlite3.Connection | None:
+        """The connection for a read, None while no file exists (nothing is stored; another process may make one)."""
+        return self._open() if self.db is not None or self.closed or self.path.exists() else None
 
     def get(self, keys: Sequence[bytes]) -> dict[bytes, Any]:
         found: dict[bytes, Any] = {}
         for i in range(0, len(keys), 500):
             part = keys[i : i + 500]
             with self.lock:
-                rows = self.db.execute(f"SELECT key, value FROM results WHERE key IN ({','.join('?' * len(part))})", part).fetchall()
+                db = self._reader()
+                if db is None:
+                    return found
+                rows = db.execute(f"SELECT key, value FROM results WHERE key IN ({','.join('?' * len(part))})", part).fetchall()
             found.update((k, json.loads(v)) for k, v in rows)
         return found
 
     def put(self, items: Iterable[tuple[bytes, Any]]) -> None:
         """Store and commit (durable once this returns)."""
         rows = [(k, json.dumps(v)) for k, v in items]
-        with self.lock, self.db:
-            self.db.executemany("INSERT OR IGNORE INTO results VALUES (?, ?)", rows)
+        if not rows:
+            return  # nothing to write: no file made for it
+        with self.lock, self._open() as db:
+            db.executemany("INSERT OR IGNORE INTO results VALUES (?, ?)", rows)
 
     def remember(self, model: bytes) -> None:
         """Note that results of the model with this `identity` are stored here."""
-        with self.lock, self.db:
-            self.db.execute("INSERT OR IGNORE INTO models VALUES (?)", (model,))
+        with self.lock, self._open() as db:
+            db.execute("INSERT OR IGNORE INTO models VALUES (?)", (model,))
 
     def knows(self, model: bytes) -> bool:
         """Whether results of this model were stored here (a rerun or a resumed run is likely)."""
         with self.lock:
-            return self.db.execute("SELECT 1 FROM models WHERE identity = ?", (model,)).fetchone() is not None
+            db = self._reader()
+            return db is not None and db.execute("SELECT 1 FROM models WHERE identity = ?", (model,)).fetchone() is not None
 
     def close(self) -> None:
         with self.lock:
-            self.db.close()
+            self.closed = True
+            if self.db is not None:
+                self.db.close()

@@ -1,142 +1,34 @@
 """lm-eval models backed by MLX: `mlx` runs the worker kernels in this process.
 
 `OrchardLM` owns everything lm-eval-specific (tokenization, the empty-context rule, rolling windows,
-generation kwargs, chat templates); an executor owns the compute. `mlx-ray` (driver/ray_lm.py) is the
+generation kwargs, chat templates); an executor owns the compute. `mlx-ray` (driver/lm/mlx_ray.py) is the
 same class with an executor that shards requests over Ray actors, so both score identical token ids.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import sys
-from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
+from lm_eval.models.utils import has_bos_prefix
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from cluster.facts import blas, fast_blas
-from worker.generate import GenRequest, truncate
-from worker.grid import run_grid
-from worker.jobs import run
-from worker.load import context_window, fingerprint, is_local, load, resolve
-from worker.spec import NO_STEERING, Batching, Job, ModelSpec, Steering
+from worker.generate import GenRequest
+from worker.load import context_window
+from worker.spec import Batching, Job, ModelSpec, Steering
 
+from driver.lm import generation, model_setup
 from driver.lm.finite import check_scores, finite_generation
-from cluster.schedule import gather
+from driver.lm.local import Executor, LocalExecutor
+from driver.lm.stream import pieces, spot_checks
 from driver.lm.tokenize import Plan, empty_context, iter_encode_pairs, make_plan
-from driver.steering.spec import for_model, warn_once
 
 TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
-_TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-
-
-class Executor(Protocol):
-    def run(self, job: Job, requests: Iterable, total: int | None = None) -> list: ...
-    def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]: ...
-    def info(self) -> dict: ...
-    def close(self) -> None: ...
-
-
-FIRST_PIECE, LARGEST_PIECE = 256, 8192  # requests: the first piece small, to start workers within a second
-
-
-SPOT_CHECKS = 4  # requests per piece re-tokenized by lm-eval's own path
-
-
-def spot_checks(lo: int, hi: int) -> list[int]:
-    """Which requests of piece [lo, hi) to compare with lm-eval's path: its first, last and evenly between."""
-    return sorted({lo + (hi - 1 - lo) * k // (SPOT_CHECKS - 1) for k in range(SPOT_CHECKS)}) if hi > lo else []
-
-
-def pieces(contexts: Sequence[str]) -> Iterator[tuple[int, int]]:
-    """[lo, hi) bounds of growing pieces of a request list, each ending where the context changes (so the answer
-    choices of one question, which share their input, stay in one piece)."""
-    lo, size, n = 0, FIRST_PIECE, len(contexts)
-    while lo < n:
-        hi = min(lo + size, n)
-        while hi < n and contexts[hi] == contexts[hi - 1]:
-            hi += 1
-        yield lo, hi
-        lo, size = hi, min(2 * size, LARGEST_PIECE)
-
-
-class LocalExecutor:
-    """The worker kernels on a model loaded in this process."""
-
-    def __init__(self, spec: ModelSpec, batching: Batching) -> None:
-        self.lm = load(spec)
-        self.batching = batching
-        if blas().startswith("reference") and fast_blas():  # a fast BLAS must be preloaded before Python starts
-            print(f"note: MLX runs on its reference BLAS here; start Python with LD_PRELOAD={fast_blas()} for ~10x", file=sys.stderr)
-
-    def run(self, job: Job, requests: Iterable, total: int | None = None) -> list:
-        results = run(self.lm, job, gather(requests, total), self.batching)
-        warn_once(results)  # the steering's notes (e.g. it swamps the residual stream), once per run
-        return results
-
-    def run_grid(self, kind: str, steerings: Sequence[Steering], requests: list) -> list[list]:
-        """Results [configuration][request], each equal to `run(Job(kind=kind, steering=s), requests)[i]`;
-        blocks below the configurations' lowest steered layer run once per request (worker.grid)."""
-        per_request = run_grid(self.lm, kind, list(steerings), requests, self.batching)
-        return [[r[c] for r in per_request] for c in range(len(steerings))]
-
-    def info(self) -> dict:
-        return {"executor": "local", "head_split": self.lm.head.split}
-
-    def close(self) -> None:
-        self.lm = None
-
-
-def _int_or_default(value: Any, default: int) -> int:
-    if value is None or value == "auto" or str(value).startswith("auto"):
-        return default
-    return int(value)
-
-
-def _bool(value: Any) -> bool:
-    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-
-
-def tokenizer_folder(model: str, revision: str | None) -> Path:
-    """Where the tokenizer lives: the model folder, or a tokenizer-only Hub snapshot (no weights)."""
-    if is_local(model):
-        return resolve(model)
-    from mlx_lm.utils import _download
-
-    return Path(_download(model, revision=revision, allow_patterns=_TOKENIZER_FILES))
-
-
-def load_tokenizer(folder: Path, trust_remote_code: bool):
-    """The model's HF tokenizer (the one lm-eval's hf backend uses)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
-    # Encoding a long few-shot prompt is not a mistake here (each request's window is cut, as lm-eval does):
-    # mark transformers' "longer than the maximum" warning as already given.
-    getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
-    return tokenizer
-
-
-def model_config(model: str, revision: str | None = None) -> dict:
-    """The model's config.json, read without loading weights (a Hub model: its small files only)."""
-    return json.loads((tokenizer_folder(model, revision) / "config.json").read_text())
-
-
-def model_steering(steer: str | dict | Steering | None, config: dict) -> tuple[Steering, dict | None]:
-    """The steering active for every request of a model, checked against its config before any worker starts,
-    and what the results record of it (None without steering)."""
-    if steer is None or steer == "":
-        return NO_STEERING, None
-    loaded = for_model(steer, config)
-    steering = loaded.steering
-    return steering, {**loaded.record, "key": steering.key(), "resolved_layers": [i.layer for i in steering.interventions]}
 
 
 class OrchardLM(TemplateLM):
@@ -162,53 +54,23 @@ class OrchardLM(TemplateLM):
         for ignored in ("device", "max_batch_size"):  # lm-eval passes these to every backend
             kwargs.pop(ignored, None)
         self._init_extra(kwargs)
-        from driver.checks.settings import check_model_args
-
-        given = dict(max_batch_tokens=max_batch_tokens, max_length=max_length, dtype=dtype, prefix_reuse=prefix_reuse,
-                     max_gen_toks=max_gen_toks, trust_remote_code=trust_remote_code)  # fmt: skip
-        if not str(batch_size).startswith("auto"):  # lm-eval's "auto": the default
-            given["batch_size"] = batch_size
-        check_model_args({k: v for k, v in given.items() if v is not None})  # one line in the user's words
-        self.spec = ModelSpec(
-            model=str(pretrained),
-            adapter_path=adapter_path,
-            revision=revision,
-            dtype=dtype,
-            max_length=int(max_length) if max_length else None,
-            trust_remote_code=_bool(trust_remote_code),
-        )
-        self.batching = Batching(
-            batch_size=_int_or_default(batch_size, 32),
-            max_batch_tokens=int(max_batch_tokens),
-            prefix_reuse=_bool(prefix_reuse),
-        )
-        folder = tokenizer_folder(self.spec.model, revision)
-        self.tokenizer = load_tokenizer(folder, self.spec.trust_remote_code)
-        config = json.loads((folder / "config.json").read_text())
-        gen_config = folder / "generation_config.json"
-        self.generation_defaults = json.loads(gen_config.read_text()) if gen_config.exists() else {}
-        self._max_length = context_window(config, self.spec.max_length)
+        model_setup.check_args(batch_size, max_batch_tokens=max_batch_tokens, max_length=max_length, dtype=dtype,
+                               prefix_reuse=prefix_reuse, max_gen_toks=max_gen_toks, trust_remote_code=trust_remote_code)  # fmt: skip
+        self.spec = model_setup.model_spec(pretrained, adapter_path, revision, dtype, max_length, trust_remote_code)
+        self.batching = model_setup.batching(batch_size, max_batch_tokens, prefix_reuse)
+        files = model_setup.read_model_files(self.spec)
+        self.tokenizer, self.generation_defaults = files.tokenizer, files.generation_defaults
+        self._max_length = context_window(files.config, self.spec.max_length)
         self.max_gen_toks = int(max_gen_toks)
         self._token_plan: Plan | None = None  # what driver.lm.tokenize proved for this tokenizer (on first use)
-        self.steering, self.steering_record = model_steering(steer, config)
-        self.identity = {
-            "model": self.spec.model,
-            "revision": self.spec.revision,
-            "adapter": fingerprint(Path(adapter_path).expanduser()) if adapter_path else None,
-            "files": fingerprint(folder),
-            "dtype": self.spec.dtype,
-            "max_length": self._max_length,
-        }
+        self.steering, self.steering_record = model_setup.model_steering(steer, files.config)
+        self.identity = model_setup.model_identity(self.spec, files.folder, self._max_length)
         self.executor: Executor = self.make_executor(self.spec, self.batching)
 
     def _init_extra(self, kwargs: dict) -> None:
         """Subclasses take their own model_args here; anything left is a mistake worth a clear error."""
         if kwargs:
-            from driver.checks.settings import MODEL_ARGS, RAY_ONLY, closest
-
-            valid = [k for k in MODEL_ARGS if hasattr(self, "ray_args") or k not in RAY_ONLY]
-            first = sorted(kwargs)[0]
-            raise ValueError(f"unknown model_args for {type(self).__name__}: {', '.join(sorted(kwargs))}{closest(first, valid)}")
+            raise ValueError(model_setup.unknown_model_args(type(self).__name__, kwargs, ray=hasattr(self, "ray_args")))
 
     def make_executor(self, spec: ModelSpec, batching: Batching) -> Executor:
         return LocalExecutor(spec, batching)
@@ -255,22 +117,17 @@ class OrchardLM(TemplateLM):
         """A job of this model's steering (every request lm-eval sends is steered the same way)."""
         return Job(kind=kind, steering=self.steering, **extra)
 
-    def steered(self, steering: Steering, record: dict | None = None):
+    @contextlib.contextmanager
+    def steered(self, steering: Steering, record: dict | None = None) -> Iterator[OrchardLM]:
         """A context manager: inside it every request runs under `steering` (and `record` is what the results
         JSON reports), as if the model had been built with it; the model's own steering is back afterwards.
         A sweep evaluates each configuration on the one loaded model this way."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def block():
-            saved = self.steering, self.steering_record
-            self.steering, self.steering_record = steering, record
-            try:
-                yield self
-            finally:
-                self.steering, self.steering_record = saved
-
-        return block()
+        saved = self.steering, self.steering_record
+        self.steering, self.steering_record = steering, record
+        try:
+            yield self
+        finally:
+            self.steering, self.steering_record = saved
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """TemplateLM.loglikelihood, streamed: requests are tokenized in pieces on a background thread (the Feed
@@ -349,33 +206,10 @@ class OrchardLM(TemplateLM):
         return totals
 
     def generation_request(self, context: str, gen_kwargs: dict, occurrence: int = 0) -> GenRequest:
-        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
-        until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode([self.eot_token_id], False))
-        temperature = float(kwargs.get("temperature", 0.0) or 0.0)
-        # A per-request seed: the same request draws the same sample in any batch, on any worker;
-        # repeats of one request (lm-eval's `repeats`) draw different ones.
-        digest = hashlib.sha256(json.dumps([context, gen_kwargs, occurrence], sort_keys=True, default=str).encode())
-        request = GenRequest(
-            context=tuple(self.tok_encode(context)),
-            until=tuple(until),
-            max_gen_toks=int(kwargs.pop("max_gen_toks")),
-            do_sample=bool(kwargs.get("do_sample", False)) and temperature > 0,
-            temperature=temperature,
-            # Unset sampling knobs fall back to the model's generation_config, as HF `generate` does.
-            top_p=float(kwargs.get("top_p") or self.generation_defaults.get("top_p") or 1.0),
-            top_k=int(kwargs.get("top_k") or self.generation_defaults.get("top_k", 50) or 0),
-            seed=int.from_bytes(digest.digest()[:4], "little"),
-        )
-        return truncate(request, self.max_length)  # fails here, before any worker is busy
+        return generation.request(self, context, gen_kwargs, occurrence)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        seen: Counter = Counter()
-        gen_requests = []
-        for r in requests:
-            context, gen_kwargs = r.args
-            key = json.dumps([context, gen_kwargs], sort_keys=True, default=str)
-            gen_requests.append(self.generation_request(context, gen_kwargs, seen[key]))
-            seen[key] += 1
+        gen_requests = [self.generation_request(*r) for r in generation.occurrences(requests)]
         with finite_generation(requests, self.steering):
             outputs = self.executor.run(self.job("generate"), gen_requests)
         for r, text in zip(requests, outputs):

@@ -1,5 +1,4 @@
-"""The steering spec's schema as written in a YAML/JSON file (pydantic models), and its validation errors as
-one-line `SteeringError`s in the user's words (`driver.steering.spec` reads the files and the vectors)."""
+"""The steering spec file's schema (pydantic models) and its errors as one-line `SteeringError`s in the user's words."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from worker.spec import OPS, POSITIONS, SITES, SteeringError
 from driver.steering.userfiles import explain, short
 
 
-def _fail(where: str, field: str, problem: str) -> SteeringError:
+def spec_error(where: str, field: str, problem: str) -> SteeringError:
     text = f"{where}: {field}: {problem}" if field else f"{where}: {problem}"
     return SteeringError(" ".join(text.split()))  # one line, whatever the parsers put in
 
@@ -124,16 +123,16 @@ def _explain(err: dict) -> str:
     return explain(err, list_of="a list of interventions")
 
 
-def _validate(data: Any, where: str) -> SpecFile:
+def validate_spec(data: Any, where: str) -> SpecFile:
     if isinstance(data, SpecFile):
         return data
     if not isinstance(data, Mapping):
         kind = "empty" if data is None else f"a {type(data).__name__}"
-        raise _fail(where, "", f"the spec is {kind}; it must be a mapping with an `interventions:` list")
+        raise spec_error(where, "", f"the spec is {kind}; it must be a mapping with an `interventions:` list")
     try:
         return SpecFile.model_validate(dict(data))
     except ValidationError as e:
         # a misspelt field also shows as the real one missing: name the misspelling, it carries the fix
         errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
         more = f" [and {len(errors) - 1} more problem(s)]" if len(errors) > 1 else ""
-        raise _fail(where, _field_path(errors[0]["loc"]), _explain(errors[0]) + more) from None
+        raise spec_error(where, _field_path(errors[0]["loc"]), _explain(errors[0]) + more) from None

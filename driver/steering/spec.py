@@ -39,7 +39,7 @@ import numpy as np
 from worker.load import model_shape
 from worker.spec import FLOAT_MAX, Intervention, Steering, SteeringError, overflow, steering_overflow
 
-from driver.steering.schema import InterventionSpec, SpecFile, VectorRef, _fail, _validate
+from driver.steering.schema import InterventionSpec, SpecFile, VectorRef, spec_error, validate_spec
 from driver.steering.userfiles import load_yaml, yaml_problem
 
 __all__ = ["SteeringError", "SteeringRun", "SpecFile", "load_steering", "for_model", "check", "model_shape", "warn_once"]
@@ -58,22 +58,22 @@ def _read_spec(path: Path) -> Any:
 
     where = str(path)
     if path.suffix.lower() not in _SPEC_SUFFIXES:
-        raise _fail(where, "", f"not a steering spec: use a .yaml, .yml or .json file, not '{path.suffix}'")
+        raise spec_error(where, "", f"not a steering spec: use a .yaml, .yml or .json file, not '{path.suffix}'")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise _fail(where, "", "no such file (check the path)") from None
+        raise spec_error(where, "", "no such file (check the path)") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise _fail(where, "", f"cannot read the file ({type(e).__name__}: {e})") from None
+        raise spec_error(where, "", f"cannot read the file ({type(e).__name__}: {e})") from None
     if path.suffix.lower() == ".json":
         try:
             json.loads(text)  # JSON's own message for malformed JSON; the YAML reader below finds twice-given keys
         except json.JSONDecodeError as e:
-            raise _fail(where, "", f"malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+            raise spec_error(where, "", f"malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     try:
         return load_yaml(text)
     except yaml.YAMLError as e:
-        raise _fail(where, "", yaml_problem(e)) from None
+        raise spec_error(where, "", yaml_problem(e)) from None
 
 
 # --- reading vectors -----------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def _load_vector(
     """The intervention's vector as float32, checked, and its record entry."""
 
     def fail(problem: str, sub: str = "") -> SteeringError:
-        return _fail(where, field + sub, problem)
+        return spec_error(where, field + sub, problem)
 
     ref = iv.vector if isinstance(iv.vector, VectorRef) else VectorRef(file=iv.vector)
     sub = ".file" if isinstance(iv.vector, VectorRef) else ""
@@ -258,17 +258,17 @@ def load_steering(
     memo: dict[Path, str] = {}
     if isinstance(source, (Mapping, SpecFile)):
         where, origin, folder = "steering spec (dict)", None, Path.cwd()
-        spec = _validate(source, where)
+        spec = validate_spec(source, where)
     else:
         origin = Path(source).expanduser()
         where, folder = str(origin), origin.absolute().parent
-        spec = _validate(_read_spec(origin), where)
+        spec = validate_spec(_read_spec(origin), where)
     base = Path(base_dir).expanduser().absolute() if base_dir is not None else folder
     interventions, vectors = [], []
     for i, iv in enumerate(spec.interventions):
-        _in_range(iv, n_layers, lambda problem: _fail(where, f"interventions[{i}].layer", problem))
+        _in_range(iv, n_layers, lambda problem: spec_error(where, f"interventions[{i}].layer", problem))
         vector, entry = _load_vector(iv, f"interventions[{i}].vector", base, where, memo, n_layers)
-        _in_dtype(iv, vector, dtype, lambda field, problem: _fail(where, f"interventions[{i}]{field}", problem))
+        _in_dtype(iv, vector, dtype, lambda field, problem: spec_error(where, f"interventions[{i}]{field}", problem))
         fields = iv.model_dump(exclude={"vector"})
         interventions.append(Intervention(**fields, vector=tuple(vector.tolist())))
         vectors.append(entry)

@@ -1,6 +1,8 @@
-"""What every file a user writes for Orchard shares (steering specs, sweep files, pairs and prompt sets): one
-pydantic error as a phrase in the user's words, YAML/JSON read with a key given twice refused, and JSONL read
-line by line with one-line errors."""
+"""What every file a user writes shares: pydantic errors in the user's words, YAML without repeated keys, JSONL.
+
+Steering specs, sweep files, pairs and prompt sets all read through here: a pydantic error becomes a phrase, a
+key given twice in YAML/JSON is refused naming its lines, and a JSONL file is read line by line with one-line errors.
+"""
 
 from __future__ import annotations
 

@@ -165,7 +165,8 @@ def truncated(requests: Sequence[tuple[tuple[int, ...], int]], max_length: int) 
 def head_encoder(folder: Path, trust_remote_code: bool = False) -> Callable[[str], list[int]]:
     """`OrchardLM.tok_encode` on the model's tokenizer without a model (memoised): the head tokenizes and checks
     the pairs before any worker starts, and the capture then runs on exactly these tokens."""
-    from driver.lm.mlx import OrchardLM, load_tokenizer
+    from driver.lm.mlx import OrchardLM
+    from driver.lm.model_setup import load_tokenizer
 
     class _Head:  # the attributes tok_encode reads, nothing else of an lm-eval model
         tok_encode = OrchardLM.tok_encode

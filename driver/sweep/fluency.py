@@ -1,6 +1,7 @@
-"""Do a configuration's generations stay fluent? The unsteered model's per-token log-likelihood of each steered
-text (`fluency_logprob`) and the fraction of its word 3-grams that repeat an earlier one (`repetition_rate`),
-both relative to the baseline's own generations.
+"""Whether a configuration's generations stay fluent, judged against the baseline's own generations.
+
+The unsteered model's per-token log-likelihood of each steered text (`fluency_logprob`) and the fraction of its
+word 3-grams that repeat an earlier one (`repetition_rate`), both relative to the baseline's own generations.
 
 A configuration is degenerate (not fluent) when, on some prompt set, its texts' mean `fluency_logprob` is more
 than LOGPROB_MARGIN nats/token below the baseline's, its mean `repetition_rate` more than REPETITION_MARGIN

@@ -1,7 +1,9 @@
-"""A sweep's grid dispatch (one per request kind) that sets a configuration with non-finite scores aside
-instead of failing the sweep: its log-likelihoods come back as they are (recorded as failed cells), and it is
-left out of generation, whose kernel refuses NaN/inf next-token scores (worker.generate.NON_FINITE); should a
-configuration fail only while generating, the configurations are generated one at a time to find it."""
+"""A sweep's grid dispatch, one per request kind, setting a configuration with non-finite scores aside.
+
+Such a configuration does not fail the sweep: its log-likelihoods come back as they are (recorded as failed
+cells), and it is left out of generation, whose kernel refuses NaN/inf next-token scores
+(worker.generate.NON_FINITE); should a configuration fail only while generating, the configurations are generated
+one at a time to find it."""
 
 from __future__ import annotations
 

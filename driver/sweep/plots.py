@@ -1,5 +1,6 @@
-"""A sweep's plots: a layers × alphas heatmap of the change from the baseline and the metric against alpha, one
-panel per (vector, site, op, positions); a failed cell (non-finite score) reads "failed", a configuration whose
+"""A sweep's plots: a layers × alphas heatmap of the change from the baseline, and the metric against alpha.
+
+One panel per (vector, site, op, positions); a failed cell (non-finite score) reads "failed", a configuration whose
 generations are not fluent is hatched (heatmap) or crossed (lines). Each function returns the PNG's bytes."""
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def lines_size(n_facets: int) -> tuple[float, float]:
     return _quarter(5.75 * cols + 0.5), _quarter(4.5 * rows)
 
 
-def _fmt(v: float | None) -> str:
+def signed(v: float | None) -> str:
+    """A change from the baseline as the plots and summary.md print it: signed, 2-3 digits, "–" for none."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     if v == 0:
@@ -168,7 +170,7 @@ def heatmap(task: str, metric: str, rows: Sequence[dict]) -> bytes:
         for (i, j), v in np.ndenumerate(m):
             if np.isfinite(v):
                 dark = abs(norm(v) - 0.5) > 0.3
-                ax.text(j, i, _fmt(float(v)), ha="center", va="center", fontsize=fontsize, color="white" if dark else "black")
+                ax.text(j, i, signed(float(v)), ha="center", va="center", fontsize=fontsize, color="white" if dark else "black")
         _mark_cells(ax, panels[key], layers, alphas, fontsize)
     bar = fig.colorbar(image, ax=axes[: len(panels)], shrink=0.9)
     bar.set_label(_with_unit(f"Δ {metric} vs baseline", metric))

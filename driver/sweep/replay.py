@@ -1,4 +1,6 @@
-"""lm-eval in a sweep: the unsteered run records the token-level requests lm-eval sends (`Recorder`); each
+"""lm-eval in a sweep: its requests recorded once, then replayed per configuration from the grid's answers.
+
+The unsteered run records the token-level requests lm-eval sends (`Recorder`); each
 configuration's run is answered from the grid's results for those requests (`Replay`), so lm-eval computes
 its own metrics per configuration without the workers scoring anything twice."""
 

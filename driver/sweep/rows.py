@@ -1,11 +1,12 @@
-"""A sweep's tidy rows (one per configuration × metric) from its grid answers; a non-finite score is never a
-number: its row has no value and an `error` saying which request failed, and its configuration is reported failed."""
+"""A sweep's tidy rows (one per configuration × metric) from its grid answers.
+
+A non-finite score is never a number: its row has no value and an `error` saying which request failed, and its
+configuration is reported failed."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,19 +15,6 @@ BASELINE = "baseline"
 NON_FINITE = "non-finite log-likelihood"
 EMPTY = "every generation is empty"  # no value, but not a failure: the configuration is flagged not fluent
 PROMPT_HIGHER = {"logprob_negative": False}
-
-
-@dataclass
-class Outcome:
-    """What a sweep produced, for `driver.sweep.report`."""
-
-    sweep: Any  # driver.sweep.Sweep
-    rows: list[dict]  # tidy: one per configuration × metric
-    generations: list[dict]
-    lm_eval: dict[str, dict]  # configuration id -> lm-eval's results (without samples)
-    info: dict  # the executor's facts
-    seconds: float
-    higher_is_better: dict[tuple[str, str], bool | None]
 
 
 def finite(x: Any) -> bool:

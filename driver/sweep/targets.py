@@ -1,5 +1,6 @@
-"""A prompt set's target scores (summed or per-token mean log-probs) and the one-line warnings about them:
-targets of unequal token length, prompts longer than the context window (left-truncated, as lm-eval does)."""
+"""A prompt set's target scores (summed or per-token mean log-probs) and the one-line warnings about them.
+
+The warnings: targets of unequal token length, prompts longer than the context window (left-truncated, as lm-eval does)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,17 @@
+"""The two ways a check fails, in one line: `Refused` (exit 1) and `BadUsage` (exit 2)."""
+
+from __future__ import annotations
+
+import click
+
+
+class Refused(click.ClickException):
+    """Something the command names is not usable (exit 1); one line."""
+
+    exit_code = 1
+
+
+class BadUsage(click.ClickException):
+    """The command line itself is wrong (exit 2); one line."""
+
+    exit_code = 2

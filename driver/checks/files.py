@@ -1,0 +1,81 @@
+"""The files and folders a command will write: output folders, output files, and the result cache file."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import tempfile
+from pathlib import Path
+
+from driver.checks.errors import Refused
+
+CACHE_FILE = "results.sqlite"
+
+
+# --- folders we will write ----------------------------------------------------------------------------------------
+
+
+def writable_folder(path: str | os.PathLike, flag: str) -> Path:
+    """`path` is a folder or can become one, and this user can write there. Creates nothing."""
+    p = probe = Path(path).expanduser()
+    try:
+        if p.exists():
+            if not p.is_dir():
+                raise Refused(f"{flag} {path}: a file is in the way (give a folder)")
+            probe = p
+        else:
+            probe = p.parent
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            if not probe.is_dir():
+                raise Refused(f"{flag} {path}: {probe} is a file, not a folder")
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise Refused(f"{flag} {path}: cannot write in {probe} ({e.strerror or type(e).__name__}): choose a writable folder") from None
+    return p
+
+
+def writable_file(path: str | os.PathLike, flag: str) -> Path:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise Refused(f"{flag} {path}: a folder is in the way (give a file name such as vectors.safetensors)")
+    writable_folder(p.parent if str(p.parent) else ".", flag)
+    return p
+
+
+# --- the result cache ---------------------------------------------------------------------------------------------
+
+
+def cache_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` (a results.sqlite) cannot be used as Orchard's result cache, or None (absent or fine).
+
+    Opened read-only: nothing is created or changed here."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    move = "move it away (Orchard never overwrites it) or pass --cache another folder"
+    if not p.is_file():
+        return f"{p} is not a file: {move}"
+    try:
+        db = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            columns = [(c[1], c[2].upper()) for c in db.execute("PRAGMA table_info(results)")]
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        return f"{p} is not an Orchard result cache ({e}): {move}"
+    if not tables:
+        return None  # an empty database: Orchard creates its table
+    if "results" not in tables or columns != [("key", "BLOB"), ("value", "TEXT")]:
+        found = ", ".join(sorted(tables)) or "none"
+        return f"{p} is another program's database, not an Orchard result cache (tables: {found}): {move}"
+    return None
+
+
+def check_cache(folder: str | os.PathLike, flag: str) -> None:
+    writable_folder(folder, flag)
+    problem = cache_problem(Path(folder).expanduser() / CACHE_FILE)
+    if problem:
+        raise Refused(problem)

@@ -1,0 +1,51 @@
+"""`driver demo`: the shipped TinyStories-260K model on three story tasks, offline, on the embedded Ray."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from driver.checks.errors import BadUsage, Refused
+from driver.checks.files import writable_folder
+from driver.cli.run import run
+
+
+@click.command()
+@click.option("--workers", default=4, show_default=True, type=int, help="Workers on the embedded local Ray.")
+@click.option(
+    "--dir",
+    "folder",
+    default="orchard-out/demo",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where the demo's tasks, results and cache go.",
+)
+@click.pass_context
+def demo(ctx: click.Context, workers: int, folder: str) -> None:
+    """Offline end-to-end run: the shipped TinyStories-260K model on three story tasks, WORKERS local workers.
+
+    Writes the tasks (examples/tinystories: pick the coherent continuation, perplexity of short stories, finish
+    a sentence) under DIR/tasks, runs `driver run` on the embedded Ray and shows a few of the model's
+    continuations. Needs no network.
+    """
+    if workers < 1:
+        raise BadUsage(f"--workers {workers}: at least 1 worker is needed")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from testbed.stories import MODEL, TASKS, write_story_tasks
+
+    if not (MODEL / "config.json").is_file():
+        raise Refused(f"the demo model is not at {MODEL}: run the demo from a clone of the project (pip install -e .)")
+    root = Path(folder)
+    writable_folder(root, "--dir")
+    tasks = write_story_tasks(root / "tasks")
+    done = ctx.invoke(
+        run, model=str(MODEL), tasks=",".join(TASKS), workers=str(workers), address="local", include_path=str(tasks),
+        output_path=str(root / "out"), log_samples=True, batch_size="8", threads=1, steer=None,
+    )  # fmt: skip
+    click.echo("\nthe model's own words (tinystories_gen, greedy):")
+    for sample in done.results["samples"]["tinystories_gen"][:3]:
+        click.echo(f"  ...{sample['doc']['prompt'][-48:]} → {sample['resps'][0][0].strip()}")
+    click.echo(f"\ntasks: {tasks} (try: driver run --model {MODEL} --include-path {tasks} --tasks tinystories_mc)")

@@ -1,0 +1,61 @@
+"""How every error of `driver` reaches the user: one `Error:` line on stderr, exit 2 or 1, never a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import click
+
+from driver.checks import settings
+from driver.checks.errors import BadUsage
+from driver.lm import quiet
+
+
+@contextlib.contextmanager
+def usage_errors():
+    """Settings errors are usage errors (exit 2)."""
+    try:
+        yield
+    except settings.SettingError as e:
+        raise BadUsage(str(e)) from None
+
+
+def one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+class OneLineErrors(click.Group):
+    """Click's group, but every error is `Error: <one line>` on stderr (a usage error adds one hint line), with
+    exit code 2 for usage errors and 1 for the rest; never a traceback (ORCHARD_TRACEBACK=1 shows an
+    unexpected one).
+
+    Exit 2 when the command line itself is wrong (a flag's value, an unknown key or task name:
+    `driver.checks.errors.BadUsage`, click's own errors), 1 when it names something that is not usable or
+    something failed (a file, folder, model, cache, cluster, worker: `Refused` and every other error)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        quiet.install()
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            click.echo(f"Error: {one_line(e.format_message())}", err=True)
+            if e.ctx is not None:
+                click.echo(f"Try '{e.ctx.command_path} --help' for help.", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            click.echo(f"Error: {one_line(e.format_message())}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except Exception as e:  # a bug: still one line, unless asked for the traceback
+            if os.environ.get("ORCHARD_TRACEBACK"):
+                raise
+            detail = (str(e).strip().splitlines() or [""])[0]
+            click.echo(f"Error: internal error ({type(e).__name__}: {detail}); rerun with ORCHARD_TRACEBACK=1 for the traceback", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,76 @@
+"""`driver sweep`: a steering sweep from a sweep file, with its tables, plots and summary."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from driver.checks.cluster import check_address, check_workers
+from driver.checks.files import check_cache, writable_folder
+from driver.lm.evaluation import on_workers
+
+
+@click.command("sweep")
+@click.argument("sweep_file", type=click.Path(dir_okay=False))
+@click.option("--workers", default="all", show_default=True, help="Number of workers (one per `mlx` node), or all.")
+@click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
+@click.option(
+    "--output", default=None, type=click.Path(file_okay=False), help="Output folder. Default: orchard-out/<sweep file name>."
+)
+@click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: OUTPUT/cache.")
+@click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
+@click.option("--stage", is_flag=True, help="Copy the model to every node first (driver stage); workers load that copy.")
+def sweep_command(
+    sweep_file: str, workers: str, address: str | None, output: str | None, cache: str | None, threads: int | None, stage: bool
+) -> None:
+    """Run a steering sweep: every configuration of SWEEP_FILE's grid (layers × alphas × ...) on its tasks and
+    prompt sets, the model loaded once per worker. Writes results.csv/.jsonl, generations.jsonl, summary.md,
+    heatmaps and line plots, and lm-eval's JSON per configuration under OUTPUT.
+
+    The whole file (model, vectors, layers, tasks, prompts) is checked before any worker starts. Every finished
+    request is cached under OUTPUT/cache: rerun an interrupted or grown sweep and only what is missing runs.
+    One sweep writes to OUTPUT at a time; a rerun replaces the outputs of the previous one (never the cache).
+    """
+    from driver.sweep import outdir
+    from driver.sweep import report
+    from driver.sweep import SweepError, load_sweep
+    from driver.sweep import run as run_sweep
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    check_workers(workers)
+    folder = Path(output) if output else Path("orchard-out") / Path(sweep_file).stem
+    writable_folder(folder, "--output")
+    try:
+        outdir.refuse_if_busy(folder)  # one writer per folder: a second sweep is refused before any work
+        plan = load_sweep(sweep_file)
+    except (SweepError, outdir.FolderBusy) as e:
+        raise click.ClickException(str(e)) from None
+    check_cache(cache or folder / "cache", "--cache" if cache else "the result cache")
+    check_address(address)
+    try:
+        held = outdir.lock(folder)  # until this process exits
+    except outdir.FolderBusy as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        outcome = run_sweep(
+            plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, stage=stage, echo=click.echo
+        )
+        written = report.write_outputs(outcome, folder)
+    except KeyboardInterrupt:
+        kept = cache or folder / "cache"
+        click.echo(f"interrupted: finished requests are cached in {kept}; rerun the same command to resume", err=True)
+        raise SystemExit(130) from None
+    except ValueError as e:  # a request the model refuses (e.g. a prompt longer than the context window)
+        raise click.ClickException(" ".join(str(e).split())) from None
+    finally:
+        outdir.unlock(held)
+    facts = report.run_facts(outcome.info, outcome.seconds)
+    click.echo(
+        f"{len(plan.grid)} configuration{'s' * (len(plan.grid) != 1)} + baseline, {len(outcome.rows)} result rows {on_workers(facts)} in "
+        f"{facts['wall_s']:.1f} s ({facts['requests_computed']} requests computed, {facts['requests_cached']} from cache)"
+    )
+    for line in report.problems(outcome.rows, written):
+        click.echo(line, err=True)
+    click.echo(f"results: {folder} (summary.md, results.csv, {2 * len(written['plots'])} plots)")

@@ -1,0 +1,106 @@
+"""`driver vectors`: steering vectors from contrastive pairs, one per layer, captured on the workers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from driver.checks import settings
+from driver.checks.cluster import check_address, check_address_syntax, check_workers
+from driver.checks.errors import BadUsage, Refused
+from driver.checks.files import check_cache, writable_file
+from driver.checks.model import check_model, check_tokenizer, model_config
+from driver.cli.errors import one_line, usage_errors
+from driver.lm.evaluation import lost_workers_line, on_workers, open_model
+
+VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads"}
+
+
+@click.command()
+@click.option("--model", "model", required=True, help="Local model folder or Hugging Face repo id (mlx-lm format).")
+@click.option("--pairs", required=True, help='JSONL of contrastive pairs: {"positive": ..., "negative": ...} (+ optional "prompt").')
+@click.option("--layers", default="all", show_default=True, help="Comma-separated layers (negative: from the end), or all.")
+@click.option("--site", type=click.Choice(["resid_pre", "resid_post"]), default="resid_post", show_default=True)
+@click.option("--method", type=click.Choice(["mean-diff", "pca-diff", "pca-center"]), default="mean-diff", show_default=True)
+@click.option("--position", default="last", show_default=True, help="Token whose activations are read: last, or an index (-2: second to last).")
+@click.option("--out", required=True, help="The .safetensors file to write.")
+@click.option("--workers", default="all", show_default=True, help="Number of workers (one per `mlx` node), or all.")
+@click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
+@click.option("--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16.")
+@click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
+@click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: cache/ beside OUT.")
+def vectors(
+    model: str, pairs: str, layers: str, site: str, method: str, position: str, out: str, workers: str,
+    address: str | None, model_args: str, threads: int | None, cache: str | None,
+) -> None:  # fmt: skip
+    """Extract steering vectors from contrastive PAIRS: one per layer, written to OUT (usable as a spec's `vector`).
+
+    Every pair's two texts run on the workers; the activations at POSITION are combined in a fixed order
+    (mean difference by default), so the vectors do not depend on the number of workers. Each text's
+    activations are cached: a rerun computes nothing, a changed pair only that pair.
+    """
+    from worker.load import context_window
+
+    from driver.steering import vectors as vec
+    from driver.steering.spec import model_shape
+
+    start = time.monotonic()
+    with usage_errors():  # settings (exit 2), then what they name (exit 1), all before a worker starts
+        threads = settings.threads(threads)
+        args = {**settings.model_args(model_args, flags=VECTORS_FLAGS), "pretrained": model, "workers": workers}
+    check_workers(workers, address, model)
+    check_address_syntax(address)
+    try:
+        at = vec.parse_position(position)
+    except ValueError as e:
+        raise BadUsage(f"--position {position}: {one_line(str(e))}") from None
+    writable_file(out, "--out")
+    folder = check_model(model, args.get("revision"), args.get("adapter_path"))
+    check_tokenizer(folder)
+    flag = "--cache" if cache or not args.get("cache") else "--model-args cache"
+    args["cache"] = cache or args.get("cache") or str(Path(out).expanduser().absolute().parent / "cache")
+    check_cache(args["cache"], flag)
+    try:
+        read = vec.read_pairs(pairs)
+    except ValueError as e:
+        raise Refused(str(e).strip().splitlines()[0]) from None
+    config = model_config(folder)
+    try:
+        resolved = vec.parse_layers(layers, model_shape(config)[0])
+    except ValueError as e:
+        raise BadUsage(f"--layers {layers}: {one_line(str(e))}") from None
+    encode = vec.head_encoder(folder, bool(args.get("trust_remote_code")))
+    try:  # every pair tokenized on the head as the capture will be, before Ray starts
+        vec.check_pairs(pairs, read, encode, method, at, context_window(config, args.get("max_length")))
+    except ValueError as e:
+        raise Refused(one_line(str(e))) from None
+    check_address(address)
+    for name, value in (("address", address), ("threads", threads)):
+        if value is not None:
+            args[name] = value
+    lm = open_model(args)
+    try:
+        capture = lambda requests, points: lm.executor.run(lm.job("capture", points=tuple(points)), requests)  # noqa: E731
+        found = vec.extract(capture, encode, read, resolved, site, method, at)
+        info = lm.executor.info()
+    except ValueError as e:
+        raise click.ClickException(str(e).strip().splitlines()[0]) from None
+    except RuntimeError as e:  # cluster.ClusterError: workers lost (finished captures stay in a --model-args cache)
+        raise click.ClickException(lost_workers_line(str(e), lm)) from None
+    finally:
+        lm.executor.close()
+    meta = vec.metadata(
+        model, method, site, at, read, weights=lm.identity["files"], pairs_file_sha256=_sha256(pairs), layers=",".join(map(str, resolved))
+    )
+    vec.write_vectors(out, found, meta)
+    seconds = time.monotonic() - start
+    cached = f"{info['requests_cached']} of {2 * len(read)} texts from the cache, "
+    click.echo(f"{len(found)} vectors from {len(read)} pairs ({cached}{args['cache']}) {on_workers(info)} in {seconds:.1f} s: {out}")
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -1,0 +1,291 @@
+"""The plan of a sweep: its file checked against the model, vectors, tasks and prompt sets, and every configuration."""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from worker.spec import NO_STEERING, Intervention, Steering
+
+from driver.steering.userfiles import jsonl_lines
+from driver.sweep.rows import BASELINE
+from driver.sweep.schema import NAME, Grid, PromptSet, SweepError, SweepFile, Tasks, VectorSource, one_line, read_sweep_file
+
+__all__ = ["Config", "Prompt", "Sweep", "BASELINE", "load_sweep", "read_prompts"]
+
+_DIRECTIONLESS = ("ablate", "clamp")  # ops that need a nonzero vector
+_IDENTITY_AT_ZERO = ("add", "replace")  # ops for which alpha 0 is the unsteered model
+
+
+@dataclass(frozen=True)
+class Config:
+    """One steering configuration of the grid (the baseline: every field None, no interventions)."""
+
+    id: str
+    steering: Steering
+    vector: str | None = None
+    site: str | None = None
+    layer: int | None = None
+    op: str | None = None
+    positions: str | None = None
+    alpha: float | None = None  # None: the baseline, or an op that takes no alpha (ablate)
+    record: dict | None = None  # what goes into lm-eval's results JSON (config.orchard.steering)
+
+    @property
+    def fields(self) -> dict:
+        return {"config": self.id, "vector": self.vector, "layer": self.layer, "site": self.site, "op": self.op,
+                "positions": self.positions, "alpha": 0.0 if self.id == BASELINE else self.alpha}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    targets: dict[str, str]
+    line: int
+
+
+@dataclass
+class Sweep:
+    """A checked sweep: the file, the model's arguments, every configuration, the prompt sets, the lm-eval plan."""
+
+    path: Path
+    spec: SweepFile
+    model_args: dict
+    n_layers: int
+    configs: list[Config]  # the baseline first
+    prompt_sets: dict[str, tuple[PromptSet, list[Prompt]]] = field(default_factory=dict)
+    plan: Any = None  # driver.lm.evaluation.Plan for the lm-eval tasks, or None
+
+    @property
+    def grid(self) -> list[Config]:
+        return self.configs[1:]
+
+
+def _resolve_model(pretrained: str, base: Path) -> str:
+    near = base / Path(pretrained).expanduser()
+    return str(near.resolve()) if not Path(pretrained).is_absolute() and near.exists() else pretrained
+
+
+def _layers(grid: Grid, n_layers: int, where: str) -> list[int]:
+    if grid.layers == "all":
+        return list(range(n_layers))
+    out = []
+    for layer in grid.layers:
+        if not -n_layers <= layer < n_layers:
+            raise SweepError(
+                f"{where}: grid.layers: {layer} is out of range for a model with {n_layers} layers "
+                f"(use 0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
+            )
+        resolved = layer % n_layers
+        if resolved in out:
+            raise SweepError(f"{where}: grid.layers: {layer} is layer {resolved}, which is already listed")
+        out.append(resolved)
+    return out
+
+
+def _load_vector(name: str, source: VectorSource, site: str, layer: int, directionless: bool, shape, base: Path, where: str):
+    """The checked `Intervention` (alpha 1, op add) for one vector at one site and layer, and its record."""
+    from driver.steering.spec import SteeringError, check, load_steering
+
+    label = f"vectors.{name}"
+    if source.layers is not None:
+        file = source.layers.get(layer)
+        if file is None:
+            negative = {k % shape[0]: f for k, f in source.layers.items() if -shape[0] <= k < shape[0]}
+            file = negative.get(layer)
+        if file is None:
+            listed = ", ".join(map(str, sorted(source.layers)))
+            raise SweepError(f"{where}: {label}.layers: no vector for layer {layer} (it has layers {listed}); add one or drop the layer from grid.layers")
+        label += f".layers.{layer}"
+    else:
+        file = source.file
+    ref: dict = {"file": file}
+    if file.lower().endswith(".safetensors"):
+        ref["key"] = (source.key or "{site}.{layer}").format(site=site, layer=layer)
+    elif source.key is not None and source.file is not None:
+        raise SweepError(f"{where}: {label}.key: `key` applies only to .safetensors files; remove it")
+    spec = {"interventions": [{"layer": layer, "site": site, "op": "ablate" if directionless else "add",
+                               "vector": ref, "normalize": source.normalize}]}  # fmt: skip
+    try:
+        loaded = load_steering(spec, base_dir=base)
+        steering = check(loaded.steering, *shape)
+    except SteeringError as e:
+        text = str(e)
+        for prefix in ("steering spec (dict): interventions[0].vector", "steering spec (dict): interventions[0]", "steering spec (dict)"):
+            if text.startswith(prefix):
+                text = text[len(prefix) :]
+                break
+        text = re.sub(r"^\.(file|key)", lambda m: "" if source.layers is not None else m.group(0), text)
+        text = text.replace("interventions[0].", "")
+        raise SweepError(one_line(f"{where}: {label}{text} (layer {layer}, site {site})")) from None
+    return steering.interventions[0].model_copy(update={"op": "add"}), loaded.record["vectors"][0]
+
+
+def _fmt_alpha(alpha: float) -> str:
+    return f"{alpha:+g}"
+
+
+def _steering(iv: Intervention, where: str) -> Steering:
+    """One configuration's steering, validated as the worker will (e.g. alpha·v finite in float32)."""
+    try:
+        return Steering(interventions=(iv,))
+    except ValidationError as e:
+        raise SweepError(one_line(f"{where}: {e.errors()[0]['msg'].removeprefix('Value error, ')}")) from None
+
+
+def _configs(spec: SweepFile, layers: list[int], shape, base: Path, where: str) -> list[Config]:
+    g = spec.grid
+    names = list(g.vectors) if g.vectors is not None else list(spec.vectors)
+    unknown = [n for n in names if n not in spec.vectors]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], list(spec.vectors), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise SweepError(f"{where}: grid.vectors: no vector named {unknown[0]!r} ({hint}the file has: {', '.join(spec.vectors)})")
+    directionless = any(op in _DIRECTIONLESS for op in g.ops)
+    configs = [Config(BASELINE, NO_STEERING)]
+    loaded: dict[tuple[str, str, int], tuple[Intervention, dict]] = {}
+    for name, site, op, positions, layer in itertools.product(names, g.sites, g.ops, g.positions, layers):
+        if (name, site, layer) not in loaded:  # each vector read and checked once, whatever the ops and positions
+            loaded[(name, site, layer)] = _load_vector(name, spec.vectors[name], site, layer, directionless, shape, base, where)
+        base_iv, vrecord = loaded[(name, site, layer)]
+        if op == "ablate":
+            alphas: list[float | None] = [None]  # ablate takes no alpha: one configuration
+        else:
+            alphas = [a for a in g.alphas if not (a == 0 and op in _IDENTITY_AT_ZERO)]  # alpha 0: the baseline
+        for alpha in alphas:
+            iv: Intervention = base_iv.model_copy(update={"op": op, "positions": positions, "alpha": 1.0 if alpha is None else float(alpha)})
+            steering = _steering(iv, f"{where}: grid.alphas: {alpha:g} (vector {name}, layer {layer}, {site}, {op})")
+            cid = f"{name}.{site}.L{layer}.{op}.{positions}" + ("" if alpha is None else f".a{_fmt_alpha(alpha)}")
+            written = {"layer": layer, "site": site, "op": op, "positions": positions, "alpha": iv.alpha, "normalize": iv.normalize,
+                       "vector": {"source": name, **{k: vrecord[k] for k in ("path", "key")}}}  # fmt: skip
+            record = {"source": str(Path(where).absolute()), "sweep_config": cid, "spec": {"interventions": [written]},
+                      "vectors": [vrecord], "key": steering.key(), "resolved_layers": [layer]}  # fmt: skip
+            configs.append(Config(cid, steering, name, site, layer, op, positions, alpha, record))
+    if len(configs) == 1:
+        raise SweepError(
+            f"{where}: grid: empty (every alpha is 0, which is the baseline for ops {', '.join(_IDENTITY_AT_ZERO)}): "
+            "list nonzero alphas"
+        )
+    return configs
+
+def read_prompts(path: Path, where: str) -> list[Prompt]:
+    """A prompt set: one {"prompt": str, optional "targets": {name: str}} per line; blank lines skipped."""
+    prompts: list[Prompt] = []
+    missing, folder = f"{where}: prompts: {path} does not exist", f"{where}: prompts: {path} is a folder, not a JSONL file"
+    for n, obj in jsonl_lines(path, SweepError, missing, folder):
+        at = f"{path}: line {n}"
+        if not isinstance(obj, dict):
+            raise SweepError(f"{at}: expected a JSON object with a \"prompt\", got {type(obj).__name__}")
+        unknown = sorted(set(obj) - {"prompt", "targets"})
+        if unknown:
+            raise SweepError(f"{at}: unknown field {unknown[0]!r} (allowed: prompt, targets)")
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise SweepError(f"{at}: \"prompt\" must be a non-empty string")
+        targets = obj.get("targets", {})
+        if not isinstance(targets, dict):
+            raise SweepError(f"{at}: \"targets\" must be an object such as {{\"positive\": \" happy\", \"negative\": \" sad\"}}")
+        for name, target in targets.items():
+            if not NAME.match(name):
+                raise SweepError(f"{at}: target name {name!r}: use letters, digits, '_' and '-'")
+            if not isinstance(target, str) or not target:
+                raise SweepError(f"{at}: target {name!r} must be a non-empty string")
+        prompts.append(Prompt(prompt, dict(targets), n))
+    if not prompts:
+        raise SweepError(f"{path}: no prompts (the file is empty): write one JSON object per line")
+    return prompts
+
+
+_MANAGERS: dict[str | None, Any] = {}
+
+
+def _check_task_names(names: Sequence[str], include: str | None, where: str) -> None:
+    from driver.checks.errors import BadUsage, Refused
+    from driver.checks.tasks import check_tasks
+
+    for name in names:
+        try:
+            check_tasks(name, include)
+        except (BadUsage, Refused):
+            raise SweepError(
+                f"{where}: tasks.names: unknown task {name!r} (list tasks with `lm_eval ls tasks`, or give tasks.include_path)"
+            ) from None
+
+
+def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
+    include = None
+    if tasks.include_path is not None:
+        include = str((base / Path(tasks.include_path).expanduser()).resolve())
+        if not Path(include).is_dir():
+            raise SweepError(f"{where}: tasks.include_path: {include} is not a folder of task YAMLs")
+    _check_task_names(tasks.names, include, where)  # as fast as `driver run`'s check, before lm-eval's index
+
+    from lm_eval.tasks import TaskManager
+
+    from driver.lm.evaluation import Plan, parse_seeds
+
+    if include not in _MANAGERS:  # indexing lm-eval's tasks takes seconds: once per process and folder
+        _MANAGERS[include] = TaskManager(include_path=include)
+    manager = _MANAGERS[include]
+    unknown = [t for t in tasks.names if not manager.match_tasks([t])]
+    if unknown:
+        raise SweepError(
+            f"{where}: tasks.names: unknown task {unknown[0]!r} (list tasks with `lm_eval ls tasks`, or give tasks.include_path)"
+        )
+    limit = tasks.limit if tasks.limit is None or tasks.limit < 1 else int(tasks.limit)
+    seeds = parse_seeds(str(tasks.seed) if tasks.seed is not None else "0,1234,1234,1234")
+    return Plan(
+        seeds=seeds, limit=limit, num_fewshot=tasks.num_fewshot, batch_size=str(batch_size),
+        apply_chat_template=tasks.apply_chat_template, gen_kwargs=tasks.gen_kwargs, manager=manager, names=list(tasks.names),
+    )  # fmt: skip
+
+
+def load_sweep(path: str | os.PathLike) -> Sweep:
+    """Read and check a sweep file against its model, vectors, tasks and prompt sets; starts no worker."""
+    from worker.load import ModelLoadError, context_window
+
+    from driver.lm.model_setup import model_config
+    from driver.steering.spec import model_shape
+
+    path = Path(path).expanduser()
+    where = str(path)
+    spec = read_sweep_file(path)
+    base = path.absolute().parent
+    m = spec.model
+    pretrained = _resolve_model(m.pretrained, base)
+    try:
+        config = model_config(pretrained, m.revision)
+    except (OSError, ValueError, ModelLoadError) as e:
+        raise SweepError(one_line(f"{where}: model.pretrained: cannot read the model's config.json ({e})")) from None
+    shape = model_shape(config)
+    if shape[0] is None:
+        raise SweepError(f"{where}: model.pretrained: the model's config.json does not give its number of layers")
+    layers = _layers(spec.grid, shape[0], where)
+    configs = _configs(spec, layers, shape, base, where)
+    window = context_window(config, m.max_length)
+    prompt_sets: dict[str, tuple[PromptSet, list[Prompt]]] = {}
+    for i, ps in enumerate(spec.prompts):
+        name = ps.name or Path(ps.file).stem
+        if not NAME.match(name):
+            raise SweepError(f"{where}: prompts[{i}].name: {name!r}: use letters, digits, '_' and '-'")
+        if name in prompt_sets or (spec.tasks is not None and name in spec.tasks.names):
+            raise SweepError(f"{where}: prompts[{i}].name: {name!r} is used twice; give each prompt set its own name")
+        if ps.generate and ps.max_gen_toks >= window:
+            raise SweepError(f"{where}: prompts[{i}].max_gen_toks: {ps.max_gen_toks} must be less than the context window ({window})")
+        prompt_sets[name] = (ps, read_prompts(base / Path(ps.file).expanduser(), where))
+    plan = _plan(spec.tasks, base, where, m.batch_size) if spec.tasks is not None else None
+    args = {k: v for k, v in m.model_dump().items() if v is not None and k != "threads"}
+    args["pretrained"] = pretrained
+    if m.adapter_path is not None:
+        args["adapter_path"] = str((base / Path(m.adapter_path).expanduser()).resolve())
+    if m.threads is not None:
+        args["threads"] = m.threads
+    return Sweep(path, spec, args, shape[0], configs, prompt_sets, plan)

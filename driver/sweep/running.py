@@ -1,0 +1,156 @@
+"""The run of a checked sweep on one `mlx-ray` model, and its outcome (the rows the report is written from).
+
+How a sweep runs (`run`): everything in the file is checked first (`driver.sweep.plan.load_sweep`: the schema,
+the model's shape, every vector, the tasks, the prompt set), before any worker starts or any output is written.
+Then one `mlx-ray` model is opened (the model loads once per worker) with its result cache under the output folder:
+
+1. lm-eval runs once, unsteered (the baseline); the token-level requests it sends are recorded.
+2. The executor's `run_grid` computes every (configuration, request) cell of those requests and of the prompt
+   set's requests (target log-probabilities, generations) in one chunked dispatch per request kind, each cell
+   cached as it arrives under the key a per-configuration `run` uses: a rerun computes only what is missing.
+3. lm-eval runs once per configuration with that steering, its requests answered from step 2, for lm-eval's
+   own metrics (driver.sweep.replay).
+4. The unsteered model scores every configuration's generations (driver.sweep.fluency), through the same grid.
+
+A configuration whose scores are non-finite is set aside (driver.sweep.grid) and recorded as failed cells
+(driver.sweep.rows), never as numbers. `driver.sweep.report` writes the outcome into the output folder.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from driver.sweep import fluency
+from driver.sweep.grid import run_grids
+from driver.sweep.plan import BASELINE, Sweep
+from driver.sweep.replay import Recorder, lm_eval_per_config, swapped_executor
+from driver.sweep.rows import PROMPT_HIGHER, add_deltas, lm_eval_failure, lm_eval_rows, prompt_rows
+from driver.sweep.targets import count_long, truncated, unequal_lengths
+from driver.sweep.targets import score as target_score
+
+__all__ = ["Outcome", "run"]
+
+
+@dataclass
+class Outcome:
+    """What a sweep produced, for `driver.sweep.report`."""
+
+    sweep: Sweep
+    rows: list[dict]  # tidy: one per configuration × metric
+    generations: list[dict]
+    lm_eval: dict[str, dict]  # configuration id -> lm-eval's results (without samples)
+    info: dict  # the executor's facts
+    seconds: float
+    higher_is_better: dict[tuple[str, str], bool | None]
+
+
+def _encode_target(lm, context: str, continuation: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """lm-eval's tokenization of a (context, continuation) pair (TemplateLM.loglikelihood)."""
+    ctx, cont = lm._encode_pair(context, continuation)
+    return tuple(ctx), tuple(cont)
+
+
+def _prompt_requests(lm, sweep: Sweep) -> tuple[list, list, list, list]:
+    """The prompt sets' requests: (targets [(set, prompt index, target, tokens)], their token pairs, gens [(set,
+    prompt index)], their generation requests), with one warning per set for unequal targets and truncation."""
+    targets, pairs, gens, gen_requests = [], [], [], []
+    for name, (ps, prompts) in sweep.prompt_sets.items():
+        lengths, long_prompts, first = [], 0, len(pairs)
+        for i, p in enumerate(prompts):
+            lengths.append({})
+            for t, continuation in p.targets.items():
+                pairs.append(_encode_target(lm, p.text, continuation))
+                targets.append((name, i, t, len(pairs[-1][1])))
+                lengths[-1][t] = (continuation, len(pairs[-1][1]))
+            if ps.generate:
+                gen_kwargs = {"until": list(ps.until), "max_gen_toks": ps.max_gen_toks, "temperature": ps.temperature,
+                              "do_sample": ps.temperature > 0}  # fmt: skip
+                gens.append((name, i))
+                gen_requests.append(lm.generation_request(p.text, gen_kwargs, ps.seed))
+                long_prompts += len(gen_requests[-1].context) < len(lm.tok_encode(p.text))
+        unequal_lengths(name, lengths, ps.target_score)
+        truncated(name, count_long(pairs[first:], lm.max_length), long_prompts, len(prompts), lm.max_length)
+    return targets, pairs, gens, gen_requests
+
+
+def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, output: Path, cache: str | None = None,
+        threads: int | None = None, stage: bool = False, echo=print) -> Outcome:  # fmt: skip
+    """Run a checked sweep on one `mlx-ray` model; returns the rows (nothing is written here but the cache
+    and lm-eval's results JSON per configuration)."""
+    from driver.lm.evaluation import evaluate, open_model
+
+    start = time.monotonic()
+    args = {**sweep.model_args, "workers": workers, "cache": cache or str(output / "cache"), "stage": stage}
+    for name, value in (("address", address), ("threads", threads)):
+        if value is not None:
+            args[name] = value
+    configs, steerings = sweep.configs, [c.steering for c in sweep.configs]
+    lm = open_model(args)
+    try:
+        placed = lm.executor.info()["workers"]  # none yet when the cache holds this model's results
+        echo(f"sweep: {len(configs) - 1} configuration{'s' * (len(configs) != 2)} + the baseline" + (f" on {placed} worker{'s' * (placed != 1)}" if placed else ""))
+        # 1. lm-eval, unsteered: the baseline's metrics, and the requests every configuration sends
+        calls: list = []
+        results: dict[str, dict] = {}
+        if sweep.plan is not None:
+            recorder = Recorder(lm.executor)
+            with swapped_executor(lm, recorder):
+                results[BASELINE] = evaluate(lm, args, sweep.plan, str(output)).results
+            calls = recorder.calls
+        # 2. every (configuration, request) cell, one dispatch per request kind
+        wanted: dict[str, list] = {"loglikelihood": [], "generate": []}
+        for kind, requests in calls:
+            wanted[kind].extend(requests)
+        targets, target_pairs, gens, gen_requests = _prompt_requests(lm, sweep)
+        wanted["loglikelihood"] += target_pairs
+        wanted["generate"] += gen_requests
+        answers, failed = run_grids(lm.executor, steerings, wanted, echo)  # a non-finite configuration is set aside
+        # 3. lm-eval per configuration, answered from the grid
+        if sweep.plan is not None:
+            lm_eval_per_config(lm, args, sweep, calls, answers, results, output, echo, failed)
+        # 4. the unsteered model's log-likelihood of every configuration's generations (their fluency)
+        texts = _texts(sweep, configs, answers, gens, calls)
+        scores = fluency.baseline_scores(lm.executor, lambda p, t: _encode_target(lm, p, t), [x for ts in texts for x in ts])
+        info = lm.executor.info()
+    finally:
+        lm.executor.close()
+    return _outcome(sweep, results, answers, targets, gens, calls, (texts, scores, failed), info, time.monotonic() - start)
+
+
+def _texts(sweep, configs, answers, gens, calls) -> list[list[tuple[str, str]]]:
+    """[configuration][generation] (prompt, generated text) of the prompt sets."""
+    skip = sum(len(r) for k, r in calls if k == "generate")
+    return [[(sweep.prompt_sets[s][1][i].text, answers["generate"][c][skip + j]) for j, (s, i) in enumerate(gens)]
+            for c in range(len(configs))]  # fmt: skip
+
+
+def _outcome(sweep, results, answers, targets, gens, calls, generated, info, seconds) -> Outcome:
+    texts, scores, failed = generated
+    rows, generations, better = [], [], {}
+    n_task_ll = sum(len(r) for k, r in calls if k == "loglikelihood")
+    for c, config in enumerate(sweep.configs):
+        if sweep.plan is not None:
+            why = (lm_eval_failure(answers["loglikelihood"][c][:n_task_ll]) if n_task_ll else None) or failed.get(c)
+            found, hib = lm_eval_rows(results.get(config.id, results[BASELINE]), why)  # failed: the baseline's metrics
+            better.update(hib)
+            rows += [{**config.fields, "task": t, "metric": m, "value": v, "stderr": s, "n": n, "error": e} for t, m, v, s, n, e in found]
+        for name, (ps, prompts) in sweep.prompt_sets.items():
+            logprobs = {(i, t): target_score(float(answers["loglikelihood"][c][n_task_ll + j][0]), k, ps.target_score or "sum")
+                        for j, (s, i, t, k) in enumerate(targets) if s == name}  # fmt: skip
+            mine = [j for j, (s, _) in enumerate(gens) if s == name]
+            found = prompt_rows(prompts, logprobs, ps.file) + (fluency.rows([texts[c][j] for j in mine], scores, failed.get(c)) if mine else [])
+            for metric, value, stderr, n, error in found:
+                rows.append({**config.fields, "task": name, "metric": metric, "value": value, "stderr": stderr, "n": n, "error": error})
+                better[(name, metric)] = {**PROMPT_HIGHER, **fluency.METRICS}.get(metric, True)
+            for j in mine:
+                i = gens[j][1]
+                generations.append({**config.fields, "prompt_set": name, "index": i, "line": prompts[i].line,
+                                    "prompt": prompts[i].text, "text": texts[c][j][1],
+                                    "fluency_logprob": scores.get(texts[c][j]),
+                                    "repetition_rate": fluency.repetition_rate(texts[c][j][1]), "error": failed.get(c)})  # fmt: skip
+    add_deltas(rows)
+    fluency.mark(rows, generations)
+    lm_eval_results = {k: {key: v for key, v in r.items() if key != "samples"} for k, r in results.items()}
+    return Outcome(sweep, rows, generations, lm_eval_results, info, seconds, better)

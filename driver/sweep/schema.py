@@ -1,0 +1,283 @@
+"""The sweep file: its schema (pydantic models), its errors as one line in the user's words, reading its YAML."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+
+from driver.steering.userfiles import explain, load_yaml, short, yaml_problem
+
+__all__ = ["SweepError", "SweepFile", "ModelSettings", "VectorSource", "Grid", "Tasks", "PromptSet", "read_sweep_file",
+           "one_line", "NAME"]  # fmt: skip
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # a vector, target or prompt set name
+
+
+class SweepError(ValueError):
+    """A sweep file that cannot run; the message is one line naming the file, the field (or line) and the fix."""
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+# --- the file's schema ---------------------------------------------------------------------------------------
+
+_Frozen = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class ModelSettings(BaseModel):
+    """The model and its settings, as `driver run` takes them (`model: PATH` is short for `{pretrained: PATH}`)."""
+
+    model_config = _Frozen
+
+    pretrained: str
+    max_length: StrictInt | None = Field(default=None, gt=1)
+    batch_size: StrictInt = Field(default=32, ge=1)
+    max_batch_tokens: StrictInt = Field(default=8192, ge=1)
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    revision: str | None = None
+    adapter_path: str | None = None
+    prefix_reuse: StrictBool = True
+    max_gen_toks: StrictInt = Field(default=256, ge=1)
+    trust_remote_code: StrictBool = False
+    threads: StrictInt | None = Field(default=None, ge=1)
+
+
+class VectorSource(BaseModel):
+    """One steering direction per layer: a `driver vectors` .safetensors file (`key` is a template, by default
+    "{site}.{layer}"), or `layers: {L: file}` with a .npy (or .safetensors) per layer."""
+
+    model_config = _Frozen
+
+    file: str | None = None
+    key: str | None = None
+    layers: dict[StrictInt, str] | None = None
+    normalize: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VectorSource:
+        if (self.file is None) == (self.layers is None):
+            raise ValueError("give exactly one of `file:` (a .safetensors from `driver vectors`) or `layers: {L: file}`")
+        if self.layers is not None and not self.layers:
+            raise ValueError("`layers:` is empty: map each layer to its vector file")
+        if self.key is not None:
+            try:
+                self.key.format(site="resid_post", layer=0)
+            except (KeyError, IndexError, ValueError):
+                raise ValueError(f"key {self.key!r}: use a template with {{site}} and {{layer}}, e.g. '{{site}}.{{layer}}'") from None
+        return self
+
+
+def _listify(v: Any) -> Any:
+    return [v] if isinstance(v, (str, int, float)) and not isinstance(v, bool) else v
+
+
+class Grid(BaseModel):
+    """The configurations: every combination of vectors × sites × layers × ops × positions × alphas."""
+
+    model_config = _Frozen
+
+    layers: Union[Literal["all"], tuple[StrictInt, ...]]
+    alphas: tuple[Annotated[float, Field(strict=True, allow_inf_nan=False)], ...]
+    ops: tuple[Literal["add", "replace", "ablate", "clamp"], ...] = ("add",)
+    positions: tuple[Literal["all", "prompt", "continuation", "last"], ...] = ("all",)
+    sites: tuple[Literal["resid_pre", "resid_post"], ...] = ("resid_post",)
+    vectors: tuple[str, ...] | None = None  # default: every vector of the file
+
+    @field_validator("layers", "alphas", "ops", "positions", "sites", "vectors", mode="before")
+    @classmethod
+    def _scalar_is_a_list(cls, v: Any, info) -> Any:
+        if v == "all" or (info.field_name == "layers" and isinstance(v, str)):
+            return v
+        return _listify(v)
+
+    @field_validator("ops", "positions", "sites", "vectors", "layers", "alphas")
+    @classmethod
+    def _nonempty_unique(cls, v: Any) -> Any:
+        if v == "all" or v is None:
+            return v
+        if not v:
+            raise ValueError("is empty: list at least one value")
+        seen = [x for i, x in enumerate(v) if x in v[:i]]
+        if seen:
+            raise ValueError(f"{seen[0]!r} is listed twice")
+        return v
+
+
+class Tasks(BaseModel):
+    """lm-eval tasks, evaluated once per configuration (lm-eval's own metrics)."""
+
+    model_config = _Frozen
+
+    names: tuple[str, ...]
+    limit: Annotated[float, Field(gt=0)] | None = None
+    num_fewshot: StrictInt | None = Field(default=None, ge=0)
+    include_path: str | None = None
+    gen_kwargs: str | None = None
+    apply_chat_template: StrictBool = False
+    seed: StrictInt | None = None  # one seed for python, numpy, torch and few-shot sampling (lm-eval's defaults if unset)
+
+    @field_validator("names", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @field_validator("names")
+    @classmethod
+    def _nonempty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("is empty: name at least one lm-eval task")
+        return v
+
+
+class PromptSet(BaseModel):
+    """A JSONL of {"prompt": ..., optional "targets": {name: continuation}}: generations per configuration and,
+    where a prompt has targets, each target's log-probability (and positive − negative, the behaviour score)."""
+
+    model_config = _Frozen
+
+    file: str
+    name: str | None = None  # default: the file's stem
+    generate: StrictBool = True
+    max_gen_toks: StrictInt = Field(default=64, ge=1)
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    seed: StrictInt = 0  # with temperature > 0: each (prompt, seed) draws the same sample on any worker
+    until: tuple[str, ...] = ()
+    # a target's summed log-prob (its whole probability), or its mean per token; unset: sum, with a warning
+    # when a prompt's targets differ in token length
+    target_score: Literal["sum", "mean"] | None = None
+
+    @field_validator("until", mode="before")
+    @classmethod
+    def _until(cls, v: Any) -> Any:
+        return _listify(v)
+
+
+class SweepFile(BaseModel):
+    """The whole sweep file."""
+
+    model_config = _Frozen
+
+    model: ModelSettings
+    vectors: dict[str, VectorSource]
+    grid: Grid
+    tasks: Tasks | None = None
+    prompts: tuple[PromptSet, ...] = ()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, v: Any) -> Any:
+        return {"pretrained": v} if isinstance(v, (str, os.PathLike)) else v
+
+    @field_validator("vectors", mode="before")
+    @classmethod
+    def _vectors(cls, v: Any) -> Any:
+        if isinstance(v, (str, os.PathLike)):  # one file: named by its stem
+            v = {Path(v).stem: v}
+        if isinstance(v, Mapping):
+            return {k: ({"file": os.fspath(s)} if isinstance(s, (str, os.PathLike)) else s) for k, s in v.items()}
+        return v
+
+    @field_validator("vectors")
+    @classmethod
+    def _vector_names(cls, v: dict) -> dict:
+        if not v:
+            raise ValueError("is empty: name at least one vector source")
+        bad = [k for k in v if not NAME.match(k)]
+        if bad:
+            raise ValueError(f"name {bad[0]!r}: use letters, digits, '_' and '-'")
+        return v
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompts(cls, v: Any) -> Any:
+        if v is None:
+            return ()
+        if isinstance(v, (str, os.PathLike)):
+            return [{"file": os.fspath(v)}]
+        return [v] if isinstance(v, Mapping) else v
+
+    @model_validator(mode="after")
+    def _something_to_evaluate(self) -> SweepFile:
+        if self.tasks is None and not self.prompts:
+            raise ValueError("nothing to evaluate: give `tasks:` (lm-eval tasks), `prompts:` (a prompt set), or both")
+        return self
+
+
+# --- pydantic errors as one line ---------------------------------------------------------------------------
+
+_MODELS = {"": SweepFile, "model": ModelSettings, "grid": Grid, "tasks": Tasks, "prompts": PromptSet, "vectors": VectorSource}
+
+
+def _is_tag(part: Any) -> bool:
+    """Union members and validators that pydantic puts in an error's location."""
+    return isinstance(part, str) and part.startswith(("function-", "literal[", "tuple[", "union["))
+
+
+def _loc(loc: Sequence) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_tag(part):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _explain(err: dict) -> str:
+    kind, loc, value = err["type"], [p for p in err["loc"] if not _is_tag(p)], err.get("input")
+    if kind == "missing":
+        return "missing (this field is required)"
+    if kind == "extra_forbidden":
+        top = str(loc[0]) if len(loc) > 1 else ""
+        model = _MODELS.get(top, SweepFile) if top != "vectors" or len(loc) > 2 else SweepFile
+        allowed = list(model.model_fields)
+        near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        return f"unknown field ({'did you mean ' + repr(near[0]) + '? ' if near else ''}allowed: {', '.join(allowed)})"
+    if kind == "literal_error":
+        return f"{short(value)} is not allowed ({err['msg'].replace('Input should be ', 'use ')})"
+    return explain(err)
+
+
+def _validate(data: Any, where: str) -> SweepFile:
+    if not isinstance(data, Mapping):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise SweepError(f"{where}: the sweep file is {kind}; it must be a mapping with model, vectors, grid and tasks/prompts")
+    try:
+        return SweepFile.model_validate(dict(data))
+    except ValidationError as e:
+        errors = sorted(e.errors(), key=lambda err: (err["type"] != "extra_forbidden", err["type"] == "missing"))
+        first = errors[0]
+        if first["type"] == "literal_error" and first["loc"][:1] == ("grid",) and first["loc"][1:2] == ("layers",):
+            first = {**first, "type": "value_error", "msg": f"{first['input']!r}: give a list of layers or 'all'"}
+        more = f" [and {len(errors) - 1} more problem(s)]" if len(errors) > 1 else ""
+        path = _loc(first["loc"])
+        raise SweepError(one_line(f"{where}: {path + ': ' if path else ''}{_explain(first)}{more}")) from None
+
+
+def read_sweep_file(path: Path) -> SweepFile:
+    """The sweep file at `path`, read and checked against the schema (not yet against its model or files)."""
+    return _validate(_read_yaml(path), str(path))
+
+
+def _read_yaml(path: Path) -> Any:
+    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise SweepError(f"{path}: not a sweep file: use a .yaml, .yml or .json file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SweepError(f"{path}: no such file (check the path)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SweepError(one_line(f"{path}: cannot read the file ({type(e).__name__}: {e})")) from None
+    try:
+        return load_yaml(text)  # JSON is YAML; a key given twice is refused, naming its lines
+    except yaml.YAMLError as e:
+        raise SweepError(one_line(f"{path}: {yaml_problem(e)}")) from None
