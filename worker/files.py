@@ -44,7 +44,12 @@ def safetensors_header(path: Path) -> dict:
     return tensors
 
 
-def _config_value(config: dict, keys: tuple[str, ...]) -> int | None:
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+
+
+def config_int(config: dict, keys: tuple[str, ...]) -> int | None:
+    """The first positive integer under one of `keys`, in the config or its `text_config` (multimodal models)."""
     for source in (config, config.get("text_config") or {}):
         for key in keys:
             value = source.get(key)
@@ -73,14 +78,14 @@ def check_weights(folder: Path, config: dict) -> dict[str, str]:
 
 def _check_shapes(folder: Path, config: dict, embedding: tuple[str, list] | None, layers: int) -> None:
     fix = "the weights and config.json are from different models: copy the matching config.json"
-    want_layers = _config_value(config, ("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
+    want_layers = config_int(config, LAYER_KEYS)
     if want_layers and layers and layers < want_layers:
         raise FileProblem(f"{folder}: config.json says {want_layers} layers but the weights hold {layers}: {fix}")
     if embedding is None:
         return
     where, (rows, width) = embedding
-    hidden = _config_value(config, ("hidden_size", "n_embd", "d_model", "dim"))
-    vocab = _config_value(config, ("vocab_size",))
+    hidden = config_int(config, WIDTH_KEYS)
+    vocab = config_int(config, ("vocab_size",))
     if hidden and width != hidden:
         raise FileProblem(f"{folder}: config.json says hidden size {hidden} but {where} is {rows}x{width}: {fix}")
     if vocab and rows != vocab:

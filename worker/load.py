@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .files import FileProblem, check_tokenizer_files, check_weights
+from .files import LAYER_KEYS, WIDTH_KEYS, FileProblem, check_tokenizer_files, check_weights, config_int
 from .hooks import HookManager, instrument
 from .identity import folder_identity
 from .spec import ModelSpec
@@ -142,22 +142,9 @@ def check_architecture(config: dict, where: Any = "config.json") -> None:
         )
 
 
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
-
-
-def _config_int(config: dict, keys: tuple[str, ...]) -> int | None:
-    for source in (config, config.get("text_config") or {}):
-        for key in keys:
-            value = source.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
 def model_shape(config: dict) -> tuple[int | None, int | None]:
     """(decoder layers, hidden size) from an HF config.json dict (top level, then `text_config`); None if absent."""
-    return _config_int(config, _LAYER_KEYS), _config_int(config, _WIDTH_KEYS)
+    return config_int(config, LAYER_KEYS), config_int(config, WIDTH_KEYS)
 
 
 def context_window(config: dict, override: int | None = None) -> int:
