@@ -28,5 +28,5 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
         if job.kind == "loglikelihood":
             return loglikelihood(lm, requests, batching)
         if job.kind == "generate":
-            return generate(lm, requests, batch_size=batching.batch_size)
+            return generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
         return capture(lm, requests, job.points, batching)

@@ -1,0 +1,179 @@
+"""Prefix families in generation: a shared prompt prefix is prefilled once, and nothing else changes.
+
+Sharing on (the default) and off (`prefix_reuse=False`) must give the same tokens, greedy and seeded-sampled,
+for every batch size, with stop strings, truncation and steering at every position rule; the forwards must show
+that the prefix really ran once. Real random MLX models (llama, gpt2) and the shipped TinyStories-260K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import pytest
+
+from worker.generate import GenRequest, families, generate, generate_tokens
+from worker.load import load
+from worker.score import MIN_SHARED_PREFIX
+from worker.steer import OPS
+
+EXEMPLARS = (
+    "Question: what is the river? Answer: the water of the city. "
+    "Question: who was the king? Answer: the boy who played with the dog. "
+    "Question: what is red blue green? Answer: a story about the tree and the house. "
+    "Question: where is the market? Answer: in the city by the river, after the war. "
+    "Question: why was the girl happy? Answer: because her friend the cat came home at night. "
+)
+QUESTIONS = [
+    "Question: what is the",
+    "Question: who lived in the little house by the big mountain and",
+    "Question:",
+    "Question: the queen said",
+    "Question: once upon a time there was a cat who saw a dog",
+    "Question: water is",
+]
+
+
+@pytest.fixture(scope="module")
+def llama(llama_path):
+    return load(str(llama_path))
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "stories"])
+def lm(request):
+    path = request.getfixturevalue({"llama": "llama_path", "gpt2": "gpt2_path", "stories": "stories_path"}[request.param])
+    return load(str(path))
+
+
+class _NoEos:
+    """The model's tokenizer with no EOS id, so every row runs to its own max_gen_toks."""
+
+    eos_token_ids: frozenset = frozenset()
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def no_eos(lm):
+    return dataclasses.replace(lm, tokenizer=_NoEos(lm.tokenizer))
+
+
+def few_shot(lm, n=len(QUESTIONS)):
+    """Prompts that share a long exemplar prefix and end in questions of different lengths."""
+    tok = lm.tokenizer
+    shared = tok.encode(EXEMPLARS)
+    out = [tuple(shared + tok.encode(" " + q, add_special_tokens=False)) for q in QUESTIONS[:n]]
+    assert len(shared) >= 2 * MIN_SHARED_PREFIX
+    return out
+
+
+def requests(lm):
+    """Greedy and seeded-sampled rows, different lengths and max_gen_toks, stop strings, one exact duplicate
+    prompt and one prompt that is another's prefix (its suffix is a single token)."""
+    ctxs = few_shot(lm)
+    ctxs.append(ctxs[0][:-3])  # a prefix of row 0
+    reqs = [GenRequest(c, max_gen_toks=5 + 3 * (i % 4)) for i, c in enumerate(ctxs)]
+    reqs += [GenRequest(c, max_gen_toks=9, do_sample=True, temperature=1.3, top_p=0.95, seed=i) for i, c in enumerate(ctxs)]
+    reqs.append(GenRequest(ctxs[1], max_gen_toks=9, do_sample=True, temperature=1.3, seed=99))  # same prompt, own seed
+    reqs.append(GenRequest(ctxs[2], until=("e",), max_gen_toks=12))
+    return reqs
+
+
+class Feed:
+    """Hook recording the [batch, length] of every forward at one layer (what the kernel fed the model)."""
+
+    def __init__(self):
+        self.shapes = []
+
+    def __call__(self, x, ctx):
+        self.shapes.append(tuple(x.shape[:2]))
+        return x
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_sharing_on_and_off_give_the_same_tokens(lm, batch_size):
+    m = no_eos(lm)
+    reqs = requests(m)
+    off = generate_tokens(m, reqs, batch_size=batch_size, prefix_reuse=False)
+    assert off == generate_tokens(m, reqs, batch_size=1, prefix_reuse=False)  # the reference: batch-independent
+    feed = Feed()
+    with m.hooks.installed([("resid_pre.0", feed)]):
+        on = generate_tokens(m, reqs, batch_size=batch_size)
+    assert on == off
+    assert all(len(t) == r.max_gen_toks for t, r in zip(off, reqs) if not r.until)
+    # The sharing happened: one batch-1 forward over the common prefix, then no prefill longer than a suffix.
+    prefix = len(m.tokenizer.encode(EXEMPLARS))
+    prefills = [s for s in feed.shapes if s[1] > 1]
+    assert prefills[0][0] == 1 and prefills[0][1] >= prefix
+    assert all(length < 24 for _, length in prefills[1:]) and len(prefills) > 1
+    sampled = [t for t, r in zip(on, reqs) if not r.greedy]
+    assert len({tuple(t) for t in sampled}) > 1
+
+
+def test_texts_and_stop_strings_match(llama):
+    # With EOS and stop strings on, the texts agree too (a stop string cuts mid-token in the text).
+    reqs = [dataclasses.replace(r, until=(". ", "\n")) for r in requests(llama)]
+    assert generate(llama, reqs, batch_size=4) == generate(llama, reqs, batch_size=4, prefix_reuse=False)
+
+
+def test_truncated_contexts_match(llama):
+    # A window that cuts into the exemplars: contexts are left-truncated first, then grouped.
+    m = dataclasses.replace(no_eos(llama), max_length=64)
+    reqs = [GenRequest(c, max_gen_toks=8) for c in few_shot(m)] + [GenRequest(c[:40], max_gen_toks=24) for c in few_shot(m)]
+    assert any(len(r.context) > 64 - r.max_gen_toks for r in reqs)
+    assert generate_tokens(m, reqs, batch_size=16) == generate_tokens(m, reqs, batch_size=16, prefix_reuse=False)
+
+
+@pytest.mark.parametrize("positions", ["all", "prompt", "continuation", "last"])
+@pytest.mark.parametrize("op", ["add", "clamp"])
+def test_steering_sees_the_same_positions(lm, positions, op):
+    # The prefix pass runs under the job's hooks as prompt positions (none of them any row's last): `all` and
+    # `prompt` steer the shared prefix exactly as in each row's own prefill.
+    m = no_eos(lm)
+    reqs = [r for r in requests(m) if r.greedy]
+    d = m.config.get("hidden_size") or m.config.get("n_embd") or m.config["dim"]
+    v = mx.random.normal((d,), key=mx.random.key(3)) * 4.0
+    hook = OPS[op](v, alpha=1.0 if op == "add" else 40.0, positions=positions)
+    plain = generate_tokens(m, reqs, batch_size=3)
+    with m.hooks.installed([("resid_pre.1", hook)]):
+        off = generate_tokens(m, reqs, batch_size=3, prefix_reuse=False)
+    with m.hooks.installed([("resid_pre.1", hook)]):
+        on = generate_tokens(m, reqs, batch_size=3)
+    assert on == off
+    assert off != plain  # the steering mattered
+
+
+def test_families_for_the_scheduler(llama):
+    ctxs = few_shot(llama)
+    other = tuple(llama.tokenizer.encode("The river and the king"))
+    reqs = [GenRequest(c, max_gen_toks=4) for c in ctxs] + [GenRequest(other), GenRequest(ctxs[0], max_gen_toks=0)]
+    n = len(ctxs)
+    assert sorted(families(reqs, llama.max_length)) == sorted([list(range(n)), [n], [n + 1]])
+    assert sorted(families(reqs, llama.max_length, reuse=False)) == [[i] for i in range(n + 2)]
+    # In a 34-token window the truncated prompts keep 30 tokens: fewer than MIN_SHARED_PREFIX to share.
+    assert sorted(families(reqs, 34)) == [[i] for i in range(n + 2)]
+
+
+def test_short_common_prefix_is_not_shared(llama):
+    feed = Feed()
+    reqs = [GenRequest(tuple(llama.tokenizer.encode(q)), max_gen_toks=3) for q in QUESTIONS]
+    with llama.hooks.installed([("resid_pre.0", feed)]):
+        generate_tokens(llama, reqs, batch_size=16)
+    assert [s for s in feed.shapes if s[1] > 1] == [(len(reqs), max(len(r.context) for r in reqs))]
+
+
+def test_sliding_window_model_falls_back(tmp_path):
+    import json
+
+    from testbed.models import write_model
+
+    path = write_model(tmp_path / "swa", arch="llama")
+    config = json.loads((path / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    (path / "config.json").write_text(json.dumps(config))
+    m = no_eos(load(str(path)))
+    reqs = [GenRequest(c, max_gen_toks=6) for c in few_shot(m)]
+    assert generate_tokens(m, reqs, batch_size=4) == generate_tokens(m, reqs, batch_size=4, prefix_reuse=False)
