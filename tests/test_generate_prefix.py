@@ -14,7 +14,8 @@ import pytest
 
 from worker.generate import GenRequest, families, generate, generate_tokens
 from worker.load import load
-from worker.score import MIN_SHARED_PREFIX
+from worker.prefix_cache import DEFAULT_BUDGET, set_budget, store
+from worker.score import MIN_SHARED_PREFIX, _prefix_cache
 from worker.steer import OPS
 
 EXEMPLARS = (
@@ -100,6 +101,7 @@ def test_sharing_on_and_off_give_the_same_tokens(lm, batch_size):
     off = generate_tokens(m, reqs, batch_size=batch_size, prefix_reuse=False)
     assert off == generate_tokens(m, reqs, batch_size=1, prefix_reuse=False)  # the reference: batch-independent
     feed = Feed()
+    store(m).clear()  # the prefix must be computed in this call
     with m.hooks.installed([("resid_pre.0", feed)]):
         on = generate_tokens(m, reqs, batch_size=batch_size)
     assert on == off
@@ -177,3 +179,133 @@ def test_sliding_window_model_falls_back(tmp_path):
     m = no_eos(load(str(path)))
     reqs = [GenRequest(c, max_gen_toks=6) for c in few_shot(m)]
     assert generate_tokens(m, reqs, batch_size=4) == generate_tokens(m, reqs, batch_size=4, prefix_reuse=False)
+
+
+# --- the per-model prefix KV store across calls (chunks) ----------------------------------------------
+
+
+def chunks(lm):
+    """Three chunks of one task: the same exemplars; chunk 2's rows share a longer prefix than chunk 1's."""
+    tok = lm.tokenizer
+    ex = tok.encode(EXEMPLARS)
+
+    def ctx(text):
+        return tuple(ex + tok.encode(text, add_special_tokens=False))
+
+    one = [GenRequest(ctx(" " + q), max_gen_toks=6) for q in QUESTIONS[:3]]
+    two = [GenRequest(ctx(" Question: where did the little girl and the dog go" + q[9:]), max_gen_toks=6) for q in QUESTIONS[3:]]
+    return one, two
+
+
+def prefills(m, reqs, **kw):
+    """Tokens, and the [batch, length] of every multi-token body forward (seen by wrapping the body, since any
+    hook that is not a steering op turns the store off)."""
+    shapes = []
+
+    def body(x, cache=None):
+        shapes.append(tuple(x.shape[:2]))
+        return m.head.body(x, cache=cache)
+
+    counted = dataclasses.replace(m, head=dataclasses.replace(m.head, body=body))
+    out = generate_tokens(counted, reqs, batch_size=4, **kw)
+    return out, [s for s in shapes if s[1] > 1]
+
+
+@pytest.mark.parametrize("positions", [None, "all", "last"])
+def test_later_chunks_reuse_the_stored_prefix(llama, positions):
+    # Under steering too: the extension pass runs under the job's hooks with the prefix pass's Rows.
+    m = no_eos(llama)
+    hooks = [] if positions is None else [("resid_pre.1", OPS["add"](_configs(m)[3] * 10, positions=positions))]
+    with m.hooks.installed(hooks):
+        _chunks_reuse(m)
+
+
+def _chunks_reuse(m):
+    one, two = chunks(m)
+    s = store(m)
+    s.clear()
+    got, shapes = prefills(m, one)
+    assert got == generate_tokens(m, one, batch_size=4, prefix_reuse=False)
+    assert shapes[0][0] == 1 and shapes[0][1] >= MIN_SHARED_PREFIX  # computed: a miss
+    got, shapes = prefills(m, two)  # a longer shared prefix: the stored one runs on through the extra tokens
+    assert got == generate_tokens(m, two, batch_size=4, prefix_reuse=False)
+    assert shapes[0][0] == 1 and shapes[0][1] < 16
+    got, shapes = prefills(m, one)  # the same family again: a hit, no prefix forward at all
+    assert got == generate_tokens(m, one, batch_size=4, prefix_reuse=False)
+    assert all(b > 1 or n < 16 for b, n in shapes) and len(shapes) == 1
+    assert (s.misses, s.extended, s.hits, len(s.entries)) == (1, 1, 1, 2) and s.nbytes <= s.budget
+    # The extended entry holds the KV a fresh prefix pass computes (to float rounding: other forward splits).
+    (_, tokens), (extended, _) = max(s.entries.items(), key=lambda kv: len(kv[0][1]))
+    fresh = _prefix_cache(m, tokens)
+    for a, b in zip(extended, fresh):
+        assert a.offset == b.offset == len(tokens)
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            assert mx.allclose(x[..., : len(tokens), :], y[..., : len(tokens), :], atol=1e-5).item()
+
+
+def test_eviction_in_the_middle_of_a_task(llama):
+    m = no_eos(llama)
+    one, two = chunks(m)
+    other = [GenRequest(tuple(m.tokenizer.encode(EXEMPLARS.replace("Answer", "Reply") + q)), max_gen_toks=5) for q in QUESTIONS[:3]]
+    s = store(m)
+    s.clear()
+    generate_tokens(m, other, batch_size=4)
+    generate_tokens(m, one, batch_size=4)
+    sizes = [n for _, n in s.entries.values()]
+    assert len(sizes) == 2
+    set_budget(m, max(sizes) + min(sizes) // 2)  # room for one of these entries only
+    assert len(s.entries) == 1  # `other`, the least recently used, went
+    try:
+        for reqs in (other, one, other):  # each evicts the one before
+            out, shapes = prefills(m, reqs)
+            assert out == generate_tokens(m, reqs, batch_size=4, prefix_reuse=False)
+            assert shapes[0][0] == 1 and shapes[0][1] >= MIN_SHARED_PREFIX  # recomputed each time
+        assert s.evicted >= 3 and s.peak <= s.budget and len(s.entries) == 1
+    finally:
+        set_budget(m, DEFAULT_BUDGET)
+
+
+def _configs(m):
+    d = m.config["hidden_size"]
+    v = [mx.random.normal((d,), key=mx.random.key(k)) * 4.0 for k in range(3)]
+    a = [("resid_pre.0", OPS["add"](v[0])), ("resid_pre.1", OPS["add"](v[1]))]
+    b = [("resid_pre.0", OPS["add"](v[0])), ("resid_pre.1", OPS["add"](v[2]))]  # differs at layer 1 only
+    return a, b, [("resid_pre.1", OPS["add"](v[0], positions="continuation"))], v[1]
+
+
+def test_configurations_differing_at_one_layer_never_share(llama):
+    m = no_eos(llama)
+    one, _ = chunks(m)
+    a, b, _ = _configs(m)
+    s = store(m)
+    s.clear()
+    outs = {}
+    for name, hooks in (("a", a), ("b", b)):
+        with m.hooks.installed(hooks):
+            want = generate_tokens(m, one, batch_size=4, prefix_reuse=False)
+            outs[name] = generate_tokens(m, one, batch_size=4)
+            assert outs[name] == want
+    assert outs["a"] != outs["b"]
+    assert (s.misses, s.hits, s.extended, len(s.entries)) == (2, 0, 0, 2)
+    with m.hooks.installed(_configs(m)[0]):  # the same configuration again (new op objects): a hit
+        assert generate_tokens(m, one, batch_size=4) == outs["a"]
+    assert s.hits == 1
+
+
+def test_continuation_steering_shares_the_plain_prefix(llama):
+    # An op at continuation positions never touches the prefix: the unsteered entry serves it; a capture hook
+    # (not a steering op) bypasses the store.
+    from worker.hooks import Capture
+
+    m = no_eos(llama)
+    one, _ = chunks(m)
+    s = store(m)
+    s.clear()
+    generate_tokens(m, one, batch_size=4)
+    with m.hooks.installed(_configs(m)[2]):
+        want = generate_tokens(m, one, batch_size=4, prefix_reuse=False)
+        assert generate_tokens(m, one, batch_size=4) == want
+    assert (s.misses, s.hits) == (1, 1)
+    with m.hooks.installed([("resid_post.0", Capture("last"))]):
+        generate_tokens(m, one, batch_size=4)
+    assert (s.misses, s.hits, len(s.entries)) == (1, 1, 1)

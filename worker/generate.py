@@ -8,7 +8,8 @@ Prefix families (worker.score's, for loglikelihood): requests whose prompts shar
 tokens run that prefix once (batch 1, under the job's hooks, as prompt positions); each batch of the family
 then starts from its KV cache broadcast to the batch, prefills only the rows' own suffixes (right-padded, as
 mlx-lm's BatchGenerator does) and rolls the pads to the left (`BatchKVCache.finalize`), so decoding runs on the
-same left-padded layout as an unshared batch. Positions and RoPE offsets are those of the unshared run.
+same left-padded layout as an unshared batch. Positions and RoPE offsets are those of the unshared run. Prefix KV caches are kept across calls in a
+bounded per-model LRU (worker.prefix_cache), keyed by the prefix tokens and the installed steering.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 import mlx.core as mx
 
 from .hooks import Rows, decoder_layers
-from .score import Row, _broadcast, _families, _prefix_cache
+from .prefix_cache import prefix_kv
+from .score import Row, _broadcast, _families
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def generate_tokens(
     loose: list[int] = []
     for prefix, idx in _prefix_families([reqs[i].context for i in todo], prefix_reuse):
         idx = [todo[j] for j in idx]
-        shared = _prefix_cache(lm, reqs[idx[0]].context[:prefix]) if prefix else None
+        shared = prefix_kv(lm, reqs[idx[0]].context[:prefix]) if prefix else None
         if shared is None:  # no shared prefix, or a model whose caches cannot share one
             loose.extend(idx)
             continue
