@@ -276,7 +276,7 @@ def _configs(m):
 def test_configurations_differing_at_one_layer_never_share(llama):
     m = no_eos(llama)
     one, _ = chunks(m)
-    a, b, _ = _configs(m)
+    a, b, _, _ = _configs(m)
     s = store(m)
     s.clear()
     outs = {}
