@@ -13,10 +13,12 @@ same token ids, greedy, a fixed number of new tokens:
   mlx_lm.batch_generate    mlx-lm's BatchGenerator (prefills every prompt whole), the anchor
   orchard, no sharing      worker.generate.generate_tokens(prefix_reuse=False): today's left-padded prefill
   orchard, sharing         worker.generate.generate_tokens(): each subject's common prefix prefilled once
+                           (the per-model prefix store emptied first: a task's first chunk)
+  ..., prefixes stored     the same with the store holding the exemplars' KV (a later chunk of the task)
 
 Orchard runs lm-eval's stop strings too (mlx-lm has none: a handicap for Orchard). Rows are interleaved (ABC,
 BCA, ...), best of N. Not a test: it asserts nothing; it prints the tables, the token agreement between rows,
-the prefix KV sizes and the load average (timings are wall-clock: prefer an idle machine).
+peak MLX memory per row, the prefix KV sizes and the load average (timings are wall-clock: prefer an idle machine).
 """
 
 from __future__ import annotations
@@ -94,23 +96,54 @@ def contexts(per_subject: int) -> tuple[str, list[str], tuple[str, ...]]:
 # --- rows --------------------------------------------------------------------------------------------
 
 
-def variants(lm, plain, tokenizer, reqs, batch_size: int) -> dict:
+def variants(lm, plain, tokenizer, reqs, batch_size: int, stored: dict | None = None) -> dict:
+    """The timed rows; each records its peak MLX memory in `peaks`. `stored`: the prefix store's entries after
+    one sharing run (a later chunk of the same task finds its exemplars there)."""
+    import mlx.core as mx
     from mlx_lm.generate import batch_generate
 
     from worker.generate import generate_tokens
+    from worker.prefix_cache import store
 
     prompts = [list(r.context) for r in reqs]
     n = reqs[0].max_gen_toks
 
     def mlx_lm_rows():
-        out = batch_generate(plain, tokenizer, prompts, max_tokens=n, return_token_ids=True)
-        return [list(t) for t in out.token_ids] if hasattr(out, "token_ids") else out.texts
+        return [list(t) for t in batch_generate(plain, tokenizer, prompts, max_tokens=n, return_token_ids=True).token_ids]
 
-    return {
+    def orchard(reuse: bool, entries: dict | None = None):
+        def run():
+            s = store(lm)
+            s.clear()  # a first chunk computes its prefixes
+            for key, (cache, size) in (entries or {}).items():
+                s.entries[key] = (cache, size)
+                s.nbytes += size
+            out = generate_tokens(lm, reqs, batch_size=batch_size, prefix_reuse=reuse)
+            STORE_PEAK[0] = max(STORE_PEAK[0], s.peak, s.nbytes)
+            return out
+        return run
+
+    rows = {
         "mlx_lm.batch_generate": mlx_lm_rows,
-        "orchard, no sharing": lambda: generate_tokens(lm, reqs, batch_size=batch_size, prefix_reuse=False),
-        "orchard, sharing": lambda: generate_tokens(lm, reqs, batch_size=batch_size),
+        "orchard, no sharing": orchard(False),
+        "orchard, sharing": orchard(True),
     }
+    if stored is not None:
+        rows["orchard, sharing, prefixes stored"] = orchard(True, stored)
+
+    def peak(name, f):
+        def run():
+            mx.reset_peak_memory()
+            out = f()
+            PEAKS[name] = max(PEAKS.get(name, 0), mx.get_peak_memory())
+            return out
+        return run
+
+    return {name: peak(name, f) for name, f in rows.items()}
+
+
+PEAKS: dict[str, int] = {}  # peak MLX memory per row (bytes)
+STORE_PEAK = [0]  # the prefix store's peak bytes over the timed runs
 
 
 def kv_report(lm, reqs, batch_size: int) -> str:
@@ -125,6 +158,32 @@ def kv_report(lm, reqs, batch_size: int) -> str:
     copied = max((min(n, batch_size) * p for p, n in fams), default=0) * per_token
     return (f"families: {len(fams)} (prefix tokens, rows: {fams}); prefix KV held once: {once / 2**20:.1f} MiB; "
             f"largest per-batch copy (BatchKVCache writes need a buffer per row): {copied / 2**20:.1f} MiB")
+
+
+def copy_cost(lm, reqs, batch_size: int) -> str:
+    """What copying the shared prefix into a per-row cache costs (BatchKVCache writes into one buffer per row,
+    so the broadcast prefix is materialized once per batch, then rolled by each row's pads)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import dynamic_roll
+
+    from worker.generate import _prefix_families, shared_batch_cache
+    from worker.score import _prefix_cache
+
+    prefix, idx = max(_prefix_families([r.context for r in reqs], True), key=lambda f: f[0])
+    if not prefix:
+        return "no shared prefix"
+    batch = min(len(idx), batch_size)
+    base = _prefix_cache(lm, reqs[idx[0]].context[:prefix])
+    pads = mx.array([b % 7 for b in range(batch)])
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        caches = shared_batch_cache(base, batch)
+        out = [mx.contiguous(x) for c in caches for x in (c.keys, c.values)]
+        mx.eval([dynamic_roll(x, pads[:, None], axis=2) for x in out])
+        best = min(best, time.perf_counter() - t)
+    size = sum(x.nbytes for x in out)
+    return f"per-batch prefix copy + roll ({batch} rows x {prefix} tokens, {size / 2**20:.1f} MiB): {best * 1e3:.0f} ms"
 
 
 def agreement(a: list, b: list) -> str:
@@ -151,8 +210,9 @@ def main(argv=None) -> int:
     import mlx.core as mx
     from mlx_lm import load as mlx_load
 
-    from worker.generate import GenRequest
+    from worker.generate import GenRequest, generate_tokens
     from worker.load import load
+    from worker.prefix_cache import store
 
     print(f"BLAS: {bs.blas_line()}")
     print(f"mlx {mx.__version__}, {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -170,22 +230,33 @@ def main(argv=None) -> int:
         print(f"prompts: {source}; {len(reqs)} documents, tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/"
               f"{lens[-1]}; {args.new_tokens} new tokens, greedy, Orchard stop strings {until}")
         print(kv_report(lm, reqs, args.batch_size))
-        rows = variants(lm, plain, tokenizer, reqs, args.batch_size)
+        print(copy_cost(lm, reqs, args.batch_size))
         warm = variants(lm, plain, tokenizer, [GenRequest(c, until=until, max_gen_toks=2) for c in ids[:2]], 2)
         bs.interleave(warm, 1)
+        store(lm).clear()
+        generate_tokens(lm, reqs, batch_size=args.batch_size)  # fills the prefix store for the "stored" row
+        rows = variants(lm, plain, tokenizer, reqs, args.batch_size, dict(store(lm).entries))
+        PEAKS.clear()
         times, outs = bs.interleave(rows, args.repeat)
+        stats = store(lm).stats()
     names = list(rows)
     n = len(reqs)
-    on, off, ref = outs["orchard, sharing"], outs["orchard, no sharing"], outs["mlx_lm.batch_generate"]
-    bs.table(f"Generation, {n} few-shot documents (docs/s; speed-up vs mlx_lm.batch_generate)", "doc", [
-        {"name": names[0], "times": times[names[0]], "n": n},
-        {"name": names[1], "times": times[names[1]], "n": n, "extra": agreement(off, ref) + " with mlx_lm"},
-        {"name": names[2], "times": times[names[2]], "n": n, "target": VS_MLX_LM, "extra": agreement(on, ref) + " with mlx_lm"},
-    ], speedup=True)
-    bs.table("Prefix sharing on vs off (speed-up vs no sharing)", "doc", [
-        {"name": names[1], "times": times[names[1]], "n": n},
-        {"name": names[2], "times": times[names[2]], "n": n, "target": VS_NO_SHARING, "extra": agreement(on, off) + " with no sharing"},
-    ], speedup=True)
+    ref, off = outs[names[0]], outs[names[1]]
+
+    def row(i, target=None, against=None, label=""):
+        extra = f"peak {PEAKS[names[i]] / 2**20:.0f} MiB"
+        if against is not None:
+            extra += "; " + agreement(outs[names[i]], against) + label
+        return {"name": names[i], "times": times[names[i]], "n": n, "target": target, "extra": extra}
+
+    bs.table(f"Generation, {n} few-shot documents (docs/s; speed-up vs mlx_lm.batch_generate)", "doc",
+             [row(0), row(1, None, ref, " with mlx_lm"), row(2, VS_MLX_LM, ref, " with mlx_lm"),
+              row(3, VS_MLX_LM, ref, " with mlx_lm")], speedup=True)
+    bs.table("Prefix sharing on vs off (speed-up vs no sharing)", "doc",
+             [row(1), row(2, VS_NO_SHARING, off, " with no sharing"), row(3, VS_NO_SHARING, off, " with no sharing")],
+             speedup=True)
+    print(f"\nprefix store: {stats['entries']} entries after the last run; peak {STORE_PEAK[0] / 2**20:.1f} MiB over the "
+          f"timed runs, budget {stats['budget'] / 2**20:.0f} MiB (worker.prefix_cache.DEFAULT_BUDGET)")
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f}s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
