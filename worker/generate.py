@@ -8,8 +8,10 @@ Prefix families (worker.score's, for loglikelihood): requests whose prompts shar
 tokens run that prefix once (batch 1, under the job's hooks, as prompt positions); each batch of the family
 then starts from its KV cache broadcast to the batch, prefills only the rows' own suffixes (right-padded, as
 mlx-lm's BatchGenerator does) and rolls the pads to the left (`BatchKVCache.finalize`), so decoding runs on the
-same left-padded layout as an unshared batch. Positions and RoPE offsets are those of the unshared run. Prefix KV caches are kept across calls in a
-bounded per-model LRU (worker.prefix_cache), keyed by the prefix tokens and the installed steering.
+same left-padded layout as an unshared batch. Positions and RoPE offsets are those of the unshared run.
+The broadcast prefix is copied once per batch (BatchKVCache writes into one buffer per row; a few ms, against
+seconds of prefill saved). Prefix KV caches are kept across calls in a bounded per-model LRU
+(worker.prefix_cache), keyed by the prefix tokens and the installed steering that can touch them.
 """
 
 from __future__ import annotations
