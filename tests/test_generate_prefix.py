@@ -115,6 +115,37 @@ def test_sharing_on_and_off_give_the_same_tokens(lm, batch_size):
     assert len({tuple(t) for t in sampled}) > 1
 
 
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_families_and_loose_rows_decode_together(lm, batch_size):
+    # Two families and rows sharing nothing, each prefilled on its own, then joined into one decode batch
+    # (mlx-lm's BatchKVCache.extend): the same tokens, and with room for all, one decode forward per step.
+    m = no_eos(lm)
+    tok = m.tokenizer
+    other = tok.encode(EXEMPLARS.replace("Answer", "Reply").replace("Question", "Ask"))
+    ctxs = few_shot(m, 4) + [tuple(other + tok.encode(" " + q, add_special_tokens=False)) for q in QUESTIONS[2:5]]
+    ctxs += [tuple(tok.encode(q)) for q in ("The river and the king", "a")]
+    reqs = [GenRequest(c, max_gen_toks=4 + i % 5, do_sample=i % 2 == 1, temperature=1.1, seed=i) for i, c in enumerate(ctxs)]
+    off = generate_tokens(m, reqs, batch_size=1, prefix_reuse=False)
+    feed, real = Feed(), []
+
+    def where(x, ctx):  # each decode row's real-token index, as hooks see it (Rows after the join)
+        if x.shape[1] == 1 and ctx.rows.mask("continuation", x.shape[0], 1).all().item():  # a decode step
+            real.append(sorted((ctx.rows.offset - ctx.rows.starts).tolist()))
+        return x
+
+    store(m).clear()
+    with m.hooks.installed([("resid_pre.0", feed), ("resid_pre.1", where)]):
+        assert generate_tokens(m, reqs, batch_size=batch_size) == off
+    steps = [b for b, n in feed.shapes if n == 1]
+    # Decode step t feeds each live row's token t - 1, at real index len(context) + t - 1.
+    want = [sorted(len(r.context) + t - 1 for r in reqs if r.max_gen_toks > t) for t in range(1, 8)]
+    assert sorted(i for step in real for i in step) == sorted(i for step in want for i in step)
+    if batch_size == 16:
+        assert real == want
+        assert len(steps) == max(r.max_gen_toks for r in reqs) - 1 and steps[0] == len(reqs)
+        assert len([s for s in feed.shapes if s[1] > 1]) == 5  # 2 prefixes, 2 families' suffixes, the loose rows
+
+
 def test_texts_and_stop_strings_match(llama):
     # With EOS and stop strings on, the texts agree too (a stop string cuts mid-token in the text).
     reqs = [dataclasses.replace(r, until=(". ", "\n")) for r in requests(llama)]

@@ -9,6 +9,8 @@ tokens run that prefix once (batch 1, under the job's hooks, as prompt positions
 then starts from its KV cache broadcast to the batch, prefills only the rows' own suffixes (right-padded, as
 mlx-lm's BatchGenerator does) and rolls the pads to the left (`BatchKVCache.finalize`), so decoding runs on the
 same left-padded layout as an unshared batch. Positions and RoPE offsets are those of the unshared run.
+Prefills (a family's batch, or rows sharing nothing) that together fit in batch_size rows are joined into one
+decode batch, so small families decode together.
 The broadcast prefix is copied once per batch (BatchKVCache writes into one buffer per row; a few ms, against
 seconds of prefill saved). Prefix KV caches are kept across calls in a bounded per-model LRU
 (worker.prefix_cache), keyed by the prefix tokens and the installed steering that can touch them.
@@ -88,24 +90,40 @@ def generate_tokens(
     todo = [i for i, r in enumerate(reqs) if r.max_gen_toks > 0]
     eos = frozenset(lm.tokenizer.eos_token_ids)
     loose: list[int] = []
+    parts: list[tuple[Any, int, list[int]]] = []  # (prefix KV or None, prefix length, rows) per prefill
     for prefix, idx in _prefix_families([reqs[i].context for i in todo], prefix_reuse):
         idx = [todo[j] for j in idx]
         shared = prefix_kv(lm, reqs[idx[0]].context[:prefix]) if prefix else None
         if shared is None:  # no shared prefix, or a model whose caches cannot share one
             loose.extend(idx)
             continue
-        _run_batches(lm, reqs, idx, batch_size, eos, out, shared, prefix)
-    _run_batches(lm, reqs, loose, batch_size, eos, out)
+        parts += _cut(reqs, idx, batch_size, shared, prefix)
+    parts += _cut(reqs, loose, batch_size)
+    for batch in _decode_batches(parts, batch_size):
+        rows = [i for _, _, idx in batch for i in idx]
+        for i, ids in zip(rows, _generate_batch(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], eos)):
+            out[i] = ids
     return out
 
 
-def _run_batches(lm, reqs, idx, batch_size, eos, out, shared=None, prefix=0) -> None:
+def _cut(reqs, idx, batch_size, shared=None, prefix=0) -> list[tuple[Any, int, list[int]]]:
     # Longest first, like lm-eval: similar lengths share a batch (little padding) and memory peaks early.
     idx = sorted(idx, key=lambda i: -len(reqs[i].context))
-    for b in range(0, len(idx), batch_size):
-        part = idx[b : b + batch_size]
-        for i, ids in zip(part, _generate_batch(lm, [reqs[i] for i in part], eos, shared, prefix)):
-            out[i] = ids
+    return [(shared, prefix, idx[b : b + batch_size]) for b in range(0, len(idx), batch_size)]
+
+
+def _decode_batches(parts: list, batch_size: int) -> list[list]:
+    """Consecutive prefills packed into decode batches of at most batch_size rows: small families decode
+    together (one decode step serves them all) instead of one after the other."""
+    out: list[list] = []
+    rows = batch_size
+    for part in parts:
+        if rows + len(part[2]) > batch_size:
+            out.append([])
+            rows = 0
+        out[-1].append(part)
+        rows += len(part[2])
+    return out
 
 
 def _prefix_families(contexts: Sequence[tuple[int, ...]], reuse: bool) -> list[tuple[int, list[int]]]:
@@ -270,14 +288,28 @@ def _prefill_suffixes(
     return cache, right, prefix + W, logits
 
 
-def _generate_batch(
-    lm: Any, reqs: list[GenRequest], eos: frozenset[int], shared: list[Any] | None = None, prefix: int = 0
-) -> list[list[int]]:
+def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]]) -> tuple[list[Any], list[int], int, mx.array]:
+    """Each part prefilled on its own (with its shared prefix, if any), then the caches joined row-wise into one
+    left-padded batch (mlx-lm's BatchKVCache.extend right-aligns them); the same return values as `_prefill`."""
+    done = [_prefill(lm, r) if shared is None else _prefill_suffixes(lm, r, shared, prefix) for r, shared, prefix in parts]
+    if len(done) == 1:
+        return done[0]
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = done[0][0]
+    if not all(type(c) is BatchKVCache for d in done for c in d[0]):
+        raise ValueError("only plain KV caches can be joined")  # never: families need plain KV caches
+    for d in done[1:]:
+        for c, other in zip(cache, d[0]):
+            c.extend(other)
+    return cache, cache[0].left_padding.tolist(), cache[0]._idx, mx.concatenate([d[3] for d in done])
+
+
+def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos: frozenset[int]) -> list[list[int]]:
+    """Generated ids for the rows of `parts` ((requests, prefix KV or None, prefix length) each), in order."""
+    reqs = [r for rs, _, _ in parts for r in rs]
     B = len(reqs)
-    if shared is None:
-        cache, pads, pos, logits = _prefill(lm, reqs)
-    else:
-        cache, pads, pos, logits = _prefill_suffixes(lm, reqs, shared, prefix)
+    cache, pads, pos, logits = _merged_prefill(lm, parts)
     prompt_end = pos
     keys = [None if r.greedy else _sample_keys(r) for r in reqs]
     lookbacks = [_lookback(r.until) for r in reqs]
