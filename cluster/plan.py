@@ -6,6 +6,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
+from worker.generate import families as generation_families
 from worker.grid import GRID_BLOCK, split_point
 from worker.score import families
 from worker.spec import Batching, Steering
@@ -20,10 +21,10 @@ def request_costs(kind: str, requests: list, max_length: int, prefix_reuse: bool
     if kind == "loglikelihood":
         costs = [min(len(c) + len(x), max_length) for c, x in requests]
         return costs, families(requests, max_length, prefix_reuse)
-    if kind == "generate":
+    if kind == "generate":  # prompts sharing a prefix (few-shot exemplars) stay together: prefilled once
         costs = [min(len(r.context), max_length) + r.max_gen_toks for r in requests]
-    else:
-        costs = [min(len(tokens), max_length) for tokens, _ in requests]
+        return costs, generation_families(requests, max_length, prefix_reuse)
+    costs = [min(len(tokens), max_length) for tokens, _ in requests]
     return costs, [[i] for i in range(len(requests))]
 
 

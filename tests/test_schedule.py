@@ -417,3 +417,21 @@ def test_intake_reads_each_piece_from_the_cache_and_cuts_only_what_it_lacks(tmp_
     assert [r[0] for r in intake.merge.result()] == [-float(i) for i in range(10)]
     assert len(stored.cache.get(keys)) == 10  # the new results cached under the same keys
     stored.cache.close()
+
+
+def test_generation_requests_sharing_a_prefix_are_cut_as_one_family():
+    """Few-shot prompts (one long shared prefix) are one group for the cut, so one worker prefills the exemplars
+    once; prompts sharing nothing, and with sharing off, stay single requests."""
+    from cluster.plan import request_costs
+    from worker.generate import GenRequest
+
+    shots = tuple(range(10, 110))
+    few_shot = [GenRequest(context=shots + (200 + i, 300 + i), max_gen_toks=8) for i in range(5)]
+    loose = [GenRequest(context=(400 + i, 500 + i, 600 + i), max_gen_toks=8) for i in range(3)]
+    costs, groups = request_costs("generate", few_shot + loose, 2048, True)
+    assert costs == [102 + 8] * 5 + [3 + 8] * 3
+    assert sorted(map(sorted, groups)) == [[0, 1, 2, 3, 4], [5], [6], [7]]
+    chunks = cut(costs, groups, workers=4, max_tokens=4096, min_tokens=1)
+    assert any(set(range(5)) <= set(c) for c in chunks)
+    _, off = request_costs("generate", few_shot + loose, 2048, False)
+    assert sorted(map(sorted, off)) == [[i] for i in range(8)]

@@ -3,6 +3,17 @@
 Requests are sorted by prompt length and run in left-padded batches: one prefill forward over the padded
 prompts, then one decode forward per step for the rows still running. Finished rows are dropped from the
 KV caches so they cost nothing. Each step is evaluated once (one host sync) to read the new tokens.
+
+Prefix families (worker.score's, for loglikelihood): requests whose prompts share at least MIN_SHARED_PREFIX
+tokens run that prefix once (batch 1, under the job's hooks, as prompt positions); each batch of the family
+then starts from its KV cache broadcast to the batch, prefills only the rows' own suffixes (right-padded, as
+mlx-lm's BatchGenerator does) and rolls the pads to the left (`BatchKVCache.finalize`), so decoding runs on the
+same left-padded layout as an unshared batch. Positions and RoPE offsets are those of the unshared run.
+Prefills (a family's batch, or rows sharing nothing) that together fit in batch_size rows are joined into one
+decode batch, so small families decode together.
+The broadcast prefix is copied once per batch (BatchKVCache writes into one buffer per row; a few ms, against
+seconds of prefill saved). Prefix KV caches are kept across calls in a bounded per-model LRU
+(worker.prefix_cache), keyed by the prefix tokens and the installed steering that can touch them.
 """
 
 from __future__ import annotations
@@ -14,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from .hooks import Rows, decoder_layers
+from .prefix_cache import prefix_kv
+from .score import Row, _broadcast, _families
 
 
 @dataclass(frozen=True)
@@ -52,15 +65,18 @@ def truncate(request: GenRequest, max_length: int) -> GenRequest:
     return request
 
 
-def generate(lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16) -> list[str]:
+def generate(lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True) -> list[str]:
     """Generated text per request (cut at the first stop string), in the order given."""
-    tokens = generate_tokens(lm, requests, batch_size=batch_size)
+    tokens = generate_tokens(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse)
     return [stop_at(lm.tokenizer.decode(t, skip_special_tokens=True), r.until) for t, r in zip(tokens, requests)]
 
 
-def generate_tokens(lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16) -> list[list[int]]:
+def generate_tokens(
+    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True
+) -> list[list[int]]:
     """Generated token ids per request: EOS excluded; a row ends at the token that completes a stop string
-    (decoded with special tokens, as lm-eval's stopping criteria do) or after max_gen_toks tokens."""
+    (decoded with special tokens, as lm-eval's stopping criteria do) or after max_gen_toks tokens.
+    `prefix_reuse` shares long common prompt prefixes (the same tokens either way; only speed changes)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     reqs = []
@@ -72,14 +88,66 @@ def generate_tokens(lm: Any, requests: Sequence[GenRequest], *, batch_size: int 
     out: list[list[int]] = [[] for _ in reqs]
     # max_gen_toks=0 produces nothing without running the model.
     todo = [i for i, r in enumerate(reqs) if r.max_gen_toks > 0]
-    # Longest first, like lm-eval: similar lengths share a batch (little padding) and memory peaks early.
-    todo.sort(key=lambda i: -len(reqs[i].context))
     eos = frozenset(lm.tokenizer.eos_token_ids)
-    for b in range(0, len(todo), batch_size):
-        idx = todo[b : b + batch_size]
-        for i, ids in zip(idx, _generate_batch(lm, [reqs[i] for i in idx], eos)):
+    loose: list[int] = []
+    parts: list[tuple[Any, int, list[int]]] = []  # (prefix KV or None, prefix length, rows) per prefill
+    for prefix, idx in _prefix_families([reqs[i].context for i in todo], prefix_reuse):
+        idx = [todo[j] for j in idx]
+        shared = prefix_kv(lm, reqs[idx[0]].context[:prefix]) if prefix else None
+        if shared is None:  # no shared prefix, or a model whose caches cannot share one
+            loose.extend(idx)
+            continue
+        parts += _cut(reqs, idx, batch_size, shared, prefix)
+    parts += _cut(reqs, loose, batch_size)
+    for batch in _decode_batches(parts, batch_size):
+        rows = [i for _, _, idx in batch for i in idx]
+        for i, ids in zip(rows, _generate_batch(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], eos)):
             out[i] = ids
     return out
+
+
+def _cut(reqs, idx, batch_size, shared=None, prefix=0) -> list[tuple[Any, int, list[int]]]:
+    # Longest first, like lm-eval: similar lengths share a batch (little padding) and memory peaks early.
+    idx = sorted(idx, key=lambda i: -len(reqs[i].context))
+    return [(shared, prefix, idx[b : b + batch_size]) for b in range(0, len(idx), batch_size)]
+
+
+def _decode_batches(parts: list, batch_size: int) -> list[list]:
+    """Consecutive prefills packed into decode batches of at most batch_size rows: small families decode
+    together (one decode step serves them all) instead of one after the other."""
+    out: list[list] = []
+    rows = batch_size
+    for part in parts:
+        if rows + len(part[2]) > batch_size:
+            out.append([])
+            rows = 0
+        out[-1].append(part)
+        rows += len(part[2])
+    return out
+
+
+def _prefix_families(contexts: Sequence[tuple[int, ...]], reuse: bool) -> list[tuple[int, list[int]]]:
+    """(shared prefix length, indices) per family; 0 for the rows that share nothing. worker.score's
+    families, with each prompt's last token as its first scored position: every row keeps a suffix to
+    prefill, whose last position gives its first generated token."""
+    rows = [Row(tuple(c), [(i, len(c) - 1, ())], len(c)) for i, c in enumerate(contexts)]
+    return [(f.prefix, sorted(i for row in f.rows for i, _, _ in row.requests)) for f in _families(rows, reuse)]
+
+
+def families(requests: Sequence[GenRequest], max_length: int, reuse: bool = True) -> list[list[int]]:
+    """Request indices grouped so that splitting a group would repeat a shared prompt prefix; the scheduler
+    cuts chunks between groups (as for loglikelihood: worker.score.families)."""
+    contexts, groups, live = [], [], []
+    for i, r in enumerate(requests):
+        room = max_length - r.max_gen_toks
+        if r.max_gen_toks <= 0 or room <= 0 or not r.context:
+            groups.append([i])  # nothing to run, or refused by the kernel: alone
+            continue
+        live.append(i)
+        contexts.append(tuple(r.context[-room:]))
+    for prefix, idx in _prefix_families(contexts, reuse):
+        groups.extend([[live[j] for j in idx]] if prefix else [[live[j]] for j in idx])
+    return groups
 
 
 def stop_at(text: str, until: Sequence[str]) -> str:
@@ -179,20 +247,81 @@ def _stopped(tokenizer: Any, ids: list[int], until: Sequence[str], lookback: int
     return any(term and term in text for term in until)
 
 
-def _generate_batch(lm: Any, reqs: list[GenRequest], eos: frozenset[int]) -> list[list[int]]:
+def _prefill(lm: Any, reqs: list[GenRequest]) -> tuple[list[Any], list[int], int, mx.array]:
+    """Left-padded prompts in one forward: (cache, left pads, next write index, last-token logits)."""
     B = len(reqs)
     P = max(len(r.context) for r in reqs)
     pads = [P - len(r.context) for r in reqs]
     tokens = mx.array([[0] * p + list(r.context) for p, r in zip(pads, reqs)])
     cache = make_batch_cache(lm.model, pads)
-    keys = [None if r.greedy else _sample_keys(r) for r in reqs]
-    lookbacks = [_lookback(r.until) for r in reqs]
-
-    # Padded layout: row b's real tokens are [pads[b], pos); its prompt ends at prompt_end for every row.
-    prompt_end = pos = P
+    # Padded layout: row b's real tokens are [pads[b], P); every prompt ends at P.
     rows = Rows(offset=0, starts=mx.array(pads), ends=mx.full((B,), P), prompt_ends=mx.full((B,), P))
     with lm.hooks.forward(rows):
         logits = _last_logits(lm, tokens, cache)
+    return cache, pads, P, logits
+
+
+def shared_batch_cache(prefix_cache: list[Any], batch: int) -> list[Any]:
+    """BatchKVCaches that start with the prefix's keys and values broadcast to every row (no left padding)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    out = []
+    for kv in _broadcast(prefix_cache, batch):
+        c = BatchKVCache([0] * batch)
+        c.keys, c.values, c._idx = kv.keys, kv.values, kv.offset
+        c.offset = c.offset + kv.offset
+        out.append(c)
+    return out
+
+
+def _prefill_suffixes(
+    lm: Any, reqs: list[GenRequest], prefix_cache: list[Any], prefix: int
+) -> tuple[list[Any], list[int], int, mx.array]:
+    """Each row's suffix after the shared prefix, right-padded, in one forward; then the pads are rolled to the
+    left of the cache, so the result is the left-padded layout `_prefill` gives (same return values)."""
+    suffixes = [r.context[prefix:] for r in reqs]
+    W = max(map(len, suffixes))
+    right = [W - len(s) for s in suffixes]
+    tokens = mx.array([list(s) + [0] * p for s, p in zip(suffixes, right)])
+    cache = shared_batch_cache(prefix_cache, len(reqs))
+    for c in cache:
+        c.prepare(right_padding=right)
+    # Right pads come after every real token (the causal mask hides them); ends marks each row's last token.
+    ends = mx.array([prefix + len(s) for s in suffixes])
+    with lm.hooks.forward(Rows(offset=prefix, ends=ends, prompt_ends=ends)):
+        h = lm.head.body(tokens, cache=cache)
+    last = mx.take_along_axis(h, mx.array([len(s) - 1 for s in suffixes])[:, None, None], axis=1)
+    logits = lm.head.head(last)[:, 0, :].astype(mx.float32)
+    for c in cache:
+        c.finalize()  # row b's keys move right by its pads: left padding, prompt ending at prefix + W
+    return cache, right, prefix + W, logits
+
+
+def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]]) -> tuple[list[Any], list[int], int, mx.array]:
+    """Each part prefilled on its own (with its shared prefix, if any), then the caches joined row-wise into one
+    left-padded batch (mlx-lm's BatchKVCache.extend right-aligns them); the same return values as `_prefill`."""
+    done = [_prefill(lm, r) if shared is None else _prefill_suffixes(lm, r, shared, prefix) for r, shared, prefix in parts]
+    if len(done) == 1:
+        return done[0]
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = done[0][0]
+    if not all(type(c) is BatchKVCache for d in done for c in d[0]):
+        raise ValueError("only plain KV caches can be joined")  # never: families need plain KV caches
+    for d in done[1:]:
+        for c, other in zip(cache, d[0]):
+            c.extend(other)
+    return cache, cache[0].left_padding.tolist(), cache[0]._idx, mx.concatenate([d[3] for d in done])
+
+
+def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos: frozenset[int]) -> list[list[int]]:
+    """Generated ids for the rows of `parts` ((requests, prefix KV or None, prefix length) each), in order."""
+    reqs = [r for rs, _, _ in parts for r in rs]
+    B = len(reqs)
+    cache, pads, pos, logits = _merged_prefill(lm, parts)
+    prompt_end = pos
+    keys = [None if r.greedy else _sample_keys(r) for r in reqs]
+    lookbacks = [_lookback(r.until) for r in reqs]
     y, finite = _next_tokens(logits, reqs, keys, 0), mx.isfinite(logits).all()
 
     live = list(range(B))  # batch rows still generating, in cache order

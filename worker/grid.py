@@ -367,7 +367,7 @@ def grid_generate(
     results: list[list[Any]] = [[None] * len(installs) for _ in requests]
     for c, install in enumerate(installs):
         with lm.hooks.installed(install):
-            for i, text in enumerate(generate(lm, requests, batch_size=batching.batch_size)):
+            for i, text in enumerate(generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)):
                 results[i][c] = text
     return results
 

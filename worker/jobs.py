@@ -39,7 +39,7 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
         if job.kind == "loglikelihood":
             out = loglikelihood(lm, requests, batching)
         elif job.kind == "generate":
-            out = generate(lm, requests, batch_size=batching.batch_size)
+            out = generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
         else:
             out = capture(lm, requests, job.points, batching)
     return Results(out, notes)

@@ -1,0 +1,265 @@
+"""Benchmark: generation on few-shot prompts, Orchard with and without prefix sharing, and mlx_lm.batch_generate.
+
+    python bench/bench_generate.py            # 2 subjects x 16 documents, 32 new tokens, best of 2
+    python bench/bench_generate.py --quick    # 2 x 4 documents, 8 new tokens, best of 1: a smoke run
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python bench/bench_generate.py
+
+Prompts are lm-eval's own `mmlu_flan_cot_fewshot_anatomy` and `_astronomy` contexts (offline cais/mmlu cache from
+../shared/data/hf-datasets; without it, the same format built from the MMLU CSVs in ../shared/data/mmlu): the
+same chain-of-thought exemplars in front of every question of a subject. One random-weight llama (hidden 256,
+4 layers, 2,048-token window, GPT-2 tokenizer; bench_worker's model) runs every row, all in this process, on the
+same token ids, greedy, a fixed number of new tokens:
+
+  mlx_lm.batch_generate    mlx-lm's BatchGenerator (prefills every prompt whole), the anchor
+  orchard, no sharing      worker.generate.generate_tokens(prefix_reuse=False): today's left-padded prefill
+  orchard, sharing         worker.generate.generate_tokens(): each subject's common prefix prefilled once
+                           (the per-model prefix store emptied first: a task's first chunk)
+  ..., prefixes stored     the same with the store holding the exemplars' KV (a later chunk of the task)
+
+Orchard runs lm-eval's stop strings too (mlx-lm has none: a handicap for Orchard). Rows are interleaved (ABC,
+BCA, ...), best of N. Not a test: it asserts nothing; it prints the tables, the token agreement between rows,
+peak MLX memory per row, the prefix KV sizes and the load average (timings are wall-clock: prefer an idle machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import bench_steer as bs  # noqa: E402  (BLAS line, interleaving, tables; puts the project on sys.path)
+import bench_worker as bw  # noqa: E402  (the model, the MMLU folders)
+
+SUBJECTS = ("anatomy", "astronomy")
+TASKS = tuple(f"mmlu_flan_cot_fewshot_{s}" for s in SUBJECTS)
+HF_CACHE = bw.SHARED / "data" / "hf-datasets" / "cais___mmlu"
+VS_MLX_LM = 5.0  # sharing rate / mlx_lm.batch_generate rate
+VS_NO_SHARING = 2.0  # sharing rate / no-sharing rate
+
+
+# --- contexts ----------------------------------------------------------------------------------------
+
+
+def lm_eval_contexts(per_subject: int) -> tuple[str, list[str], tuple[str, ...]]:
+    """lm-eval's own contexts and stop strings for the two flan CoT few-shot tasks (offline cache copy)."""
+    os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+    cache = Path(tempfile.mkdtemp(prefix="orchard-bench-hf-"))
+    os.environ["HF_DATASETS_CACHE"] = str(cache)  # datasets writes locks: a private copy
+    shutil.copytree(HF_CACHE, cache / HF_CACHE.name)
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    tasks = get_task_dict(list(TASKS), TaskManager())
+    contexts, until = [], ()
+    for name in TASKS:
+        tasks[name].build_all_requests(limit=per_subject, rank=0, world_size=1)
+        for inst in tasks[name].instances:
+            contexts.append(inst.args[0])
+            until = tuple(inst.args[1].get("until", ()))
+    shutil.rmtree(cache, ignore_errors=True)
+    return f"lm-eval {' + '.join(TASKS)}", contexts, until
+
+
+def csv_contexts(per_subject: int) -> tuple[str, list[str], tuple[str, ...]]:
+    """The flan CoT few-shot format from the MMLU CSVs: 5 dev exemplars, then each test question."""
+
+    def q(row):
+        return f"Q: {row[0].strip()}\n" + " ".join(f"({c}) {row[1 + i]}" for i, c in enumerate("ABCD")) + "\nA: Let's think step by step."
+
+    contexts = []
+    for s in SUBJECTS:
+        rows = {split: list(csv.reader(open(bw.MMLU / split / f"{s}_{split}.csv", encoding="utf-8"))) for split in ("dev", "test")}
+        head = f"The following are multiple choice questions (with answers) about {s}.\n\n"
+        shots = "".join(f"{q(r)} The answer is ({r[5].strip()}).\n\n" for r in rows["dev"][:5])
+        contexts += [head + shots + q(r) for r in rows["test"][:per_subject]]
+    return f"MMLU CSVs in the flan CoT format ({bw.MMLU})", contexts, ("</s>",)
+
+
+def contexts(per_subject: int) -> tuple[str, list[str], tuple[str, ...]]:
+    if HF_CACHE.is_dir():
+        try:
+            return lm_eval_contexts(per_subject)
+        except Exception as e:  # noqa: BLE001  (a bench falls back and says why)
+            print(f"lm-eval tasks unavailable ({type(e).__name__}: {e}); using the MMLU CSVs")
+    return csv_contexts(per_subject)
+
+
+# --- rows --------------------------------------------------------------------------------------------
+
+
+def variants(lm, plain, tokenizer, reqs, batch_size: int, stored: dict | None = None) -> dict:
+    """The timed rows; each records its peak MLX memory in `peaks`. `stored`: the prefix store's entries after
+    one sharing run (a later chunk of the same task finds its exemplars there)."""
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate
+
+    from worker.generate import generate_tokens
+    from worker.prefix_cache import store
+
+    prompts = [list(r.context) for r in reqs]
+    n = reqs[0].max_gen_toks
+
+    def mlx_lm_rows():
+        return [list(t) for t in batch_generate(plain, tokenizer, prompts, max_tokens=n, return_token_ids=True).token_ids]
+
+    def orchard(reuse: bool, entries: dict | None = None):
+        def run():
+            s = store(lm)
+            s.clear()  # a first chunk computes its prefixes
+            for key, (cache, size) in (entries or {}).items():
+                s.entries[key] = (cache, size)
+                s.nbytes += size
+            out = generate_tokens(lm, reqs, batch_size=batch_size, prefix_reuse=reuse)
+            STORE_PEAK[0] = max(STORE_PEAK[0], s.peak, s.nbytes)
+            return out
+        return run
+
+    rows = {
+        "mlx_lm.batch_generate": mlx_lm_rows,
+        "orchard, no sharing": orchard(False),
+        "orchard, sharing": orchard(True),
+    }
+    if stored is not None:
+        rows["orchard, sharing, prefixes stored"] = orchard(True, stored)
+
+    def peak(name, f):
+        def run():
+            mx.reset_peak_memory()
+            out = f()
+            PEAKS[name] = max(PEAKS.get(name, 0), mx.get_peak_memory())
+            return out
+        return run
+
+    return {name: peak(name, f) for name, f in rows.items()}
+
+
+PEAKS: dict[str, int] = {}  # peak MLX memory per row (bytes)
+STORE_PEAK = [0]  # the prefix store's peak bytes over the timed runs
+
+
+def kv_report(lm, reqs, batch_size: int) -> str:
+    """The shared prefixes' KV size (once per family) and the per-row copy each batch makes of it."""
+    from worker.generate import _prefix_families
+
+    cfg = lm.config
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+    fams = [(p, len(idx)) for p, idx in _prefix_families([r.context for r in reqs], True) if p]
+    once = sum(p for p, _ in fams) * per_token
+    copied = max((min(n, batch_size) * p for p, n in fams), default=0) * per_token
+    return (f"families: {len(fams)} (prefix tokens, rows: {fams}); prefix KV held once: {once / 2**20:.1f} MiB; "
+            f"largest per-batch copy (BatchKVCache writes need a buffer per row): {copied / 2**20:.1f} MiB")
+
+
+def copy_cost(lm, reqs, batch_size: int) -> str:
+    """What copying the shared prefix into a per-row cache costs (BatchKVCache writes into one buffer per row,
+    so the broadcast prefix is materialized once per batch, then rolled by each row's pads)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import dynamic_roll
+
+    from worker.generate import _prefix_families, shared_batch_cache
+    from worker.score import _prefix_cache
+
+    prefix, idx = max(_prefix_families([r.context for r in reqs], True), key=lambda f: f[0])
+    if not prefix:
+        return "no shared prefix"
+    batch = min(len(idx), batch_size)
+    base = _prefix_cache(lm, reqs[idx[0]].context[:prefix])
+    pads = mx.array([b % 7 for b in range(batch)])
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        caches = shared_batch_cache(base, batch)
+        out = [mx.contiguous(x) for c in caches for x in (c.keys, c.values)]
+        mx.eval([dynamic_roll(x, pads[:, None], axis=2) for x in out])
+        best = min(best, time.perf_counter() - t)
+    size = sum(x.nbytes for x in out)
+    return f"per-batch prefix copy + roll ({batch} rows x {prefix} tokens, {size / 2**20:.1f} MiB): {best * 1e3:.0f} ms"
+
+
+def agreement(a: list, b: list) -> str:
+    same = sum(x == y for x, y in zip(a, b))
+    return f"{same}/{len(a)} rows identical"
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 x 4 documents, 8 new tokens, best of 1")
+    p.add_argument("--docs", type=int, default=16, help="documents per subject (2 subjects)")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the best counts")
+    p.add_argument("--batch-size", type=int, default=32, help="Orchard's rows per forward (Batching's default)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.docs, args.new_tokens, args.repeat = 4, 8, 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    t0 = time.perf_counter()
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+
+    from worker.generate import GenRequest, generate_tokens
+    from worker.load import load
+    from worker.prefix_cache import store
+
+    print(f"BLAS: {bs.blas_line()}")
+    print(f"mlx {mx.__version__}, {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    source, texts, until = contexts(args.docs)
+    with tempfile.TemporaryDirectory(prefix="orchard-bench-generate-") as tmp:
+        path, tok_name = bw.write_bench_model(Path(tmp) / "model")
+        cfg = json.loads((path / "config.json").read_text())
+        lm = load(str(path))
+        plain, tokenizer = mlx_load(str(path))
+        ids = [tuple(lm.tokenizer.encode(t)) for t in texts]
+        reqs = [GenRequest(c, until=until, max_gen_toks=args.new_tokens) for c in ids]
+        lens = sorted(map(len, ids))
+        print(f"model: random llama, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, window "
+              f"{lm.max_length}; tokenizer: {tok_name}")
+        print(f"prompts: {source}; {len(reqs)} documents, tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/"
+              f"{lens[-1]}; {args.new_tokens} new tokens, greedy, Orchard stop strings {until}")
+        print(kv_report(lm, reqs, args.batch_size))
+        print(copy_cost(lm, reqs, args.batch_size))
+        warm = variants(lm, plain, tokenizer, [GenRequest(c, until=until, max_gen_toks=2) for c in ids[:2]], 2)
+        bs.interleave(warm, 1)
+        store(lm).clear()
+        generate_tokens(lm, reqs, batch_size=args.batch_size)  # fills the prefix store for the "stored" row
+        rows = variants(lm, plain, tokenizer, reqs, args.batch_size, dict(store(lm).entries))
+        PEAKS.clear()
+        times, outs = bs.interleave(rows, args.repeat)
+        stats = store(lm).stats()
+    names = list(rows)
+    n = len(reqs)
+    ref, off = outs[names[0]], outs[names[1]]
+
+    def row(i, target=None, against=None, label=""):
+        extra = f"peak {PEAKS[names[i]] / 2**20:.0f} MiB"
+        if against is not None:
+            extra += "; " + agreement(outs[names[i]], against) + label
+        return {"name": names[i], "times": times[names[i]], "n": n, "target": target, "extra": extra}
+
+    bs.table(f"Generation, {n} few-shot documents (docs/s; speed-up vs mlx_lm.batch_generate)", "doc",
+             [row(0), row(1, None, ref, " with mlx_lm"), row(2, VS_MLX_LM, ref, " with mlx_lm"),
+              row(3, VS_MLX_LM, ref, " with mlx_lm")], speedup=True)
+    bs.table("Prefix sharing on vs off (speed-up vs no sharing)", "doc",
+             [row(1), row(2, VS_NO_SHARING, off, " with no sharing"), row(3, VS_NO_SHARING, off, " with no sharing")],
+             speedup=True)
+    print(f"\nprefix store: {stats['entries']} entries after the last run; peak {STORE_PEAK[0] / 2**20:.1f} MiB over the "
+          f"timed runs, budget {stats['budget'] / 2**20:.0f} MiB (worker.prefix_cache.DEFAULT_BUDGET)")
+    print(f"\ntotal wall time {time.perf_counter() - t0:.0f}s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

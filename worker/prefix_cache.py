@@ -1,0 +1,156 @@
+"""A bounded per-model LRU of shared-prefix KV caches, so a later chunk of a task does not recompute its exemplars.
+
+An entry is the batch-1 KV cache of a token prefix, computed by worker.score's `_prefix_cache` under the hooks
+installed at the time. It lives on the loaded model object (one per worker), so the model's identity is part of
+every key and the store goes with the model. Its key is the prefix's tokens and a fingerprint of every
+installed hook that can touch a prefix position: steering ops by kind, alpha, positions and vector bytes, at
+their hook point, in order. Ops at `continuation` or `last` positions never touch a prefix (the prefix pass has
+no continuation and none of its positions is a row's last), so configurations that differ only there share
+entries. Any other hook (a capture, a custom callable) turns the store off for that call: never a wrong hit.
+
+A lookup uses the longest stored prefix of the wanted tokens with the same fingerprint (at least
+MIN_SHARED_PREFIX tokens); the rest of the wanted prefix runs on a copy of it, and the result is stored too.
+Entries leave in least-recently-used order once the stored KV bytes pass the budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .hooks import Rows
+from .score import MIN_SHARED_PREFIX, _prefix_cache
+
+DEFAULT_BUDGET = 1 << 30  # bytes of stored prefix KV per model (worker)
+_BLIND = ("continuation", "last")  # op positions that never touch a prefix position
+
+
+@dataclass
+class PrefixStore:
+    """The LRU itself, with counters a worker can report."""
+
+    budget: int = DEFAULT_BUDGET
+    entries: OrderedDict = field(default_factory=OrderedDict)  # (fingerprint, tokens) -> (cache, nbytes)
+    nbytes: int = 0
+    peak: int = 0
+    hits: int = 0
+    extended: int = 0
+    misses: int = 0
+    evicted: int = 0
+
+    def stats(self) -> dict:
+        return {"entries": len(self.entries), "bytes": self.nbytes, "peak_bytes": self.peak, "budget": self.budget,
+                "hits": self.hits, "extended": self.extended, "misses": self.misses, "evicted": self.evicted}
+
+    def clear(self) -> None:
+        """Drop every entry and zero the counters (the budget stays)."""
+        self.entries.clear()
+        self.nbytes = self.peak = self.hits = self.extended = self.misses = self.evicted = 0
+
+    def longest(self, fingerprint: str, tokens: tuple[int, ...]) -> tuple[int, list] | None:
+        """(length, cache) of the longest stored prefix of `tokens`; marks it most recently used."""
+        best = None
+        for key in self.entries:
+            f, stored = key
+            if f == fingerprint and len(stored) <= len(tokens) and (best is None or len(stored) > len(best[1])):
+                if tokens[: len(stored)] == stored:
+                    best = key
+        if best is None:
+            return None
+        self.entries.move_to_end(best)
+        return len(best[1]), self.entries[best][0]
+
+    def put(self, fingerprint: str, tokens: tuple[int, ...], cache: list) -> None:
+        key = (fingerprint, tokens)
+        size = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+        if key in self.entries or size > self.budget:
+            return
+        self.entries[key] = (cache, size)
+        self.nbytes += size
+        while self.nbytes > self.budget:
+            _, (_, gone) = self.entries.popitem(last=False)
+            self.nbytes -= gone
+            self.evicted += 1
+        self.peak = max(self.peak, self.nbytes)
+
+
+def store(lm: Any) -> PrefixStore:
+    """The model's store (made on first use)."""
+    s = getattr(lm.model, "_orchard_prefix_store", None)
+    if s is None:
+        s = lm.model._orchard_prefix_store = PrefixStore()
+    return s
+
+
+def set_budget(lm: Any, nbytes: int) -> None:
+    """Bound the model's stored prefix KV to `nbytes` (0 turns the store off); evicts at the next store."""
+    if nbytes < 0:
+        raise ValueError(f"the prefix cache budget must be >= 0 bytes, not {nbytes}")
+    s = store(lm)
+    s.budget = nbytes
+    while s.nbytes > nbytes and s.entries:
+        _, (_, gone) = s.entries.popitem(last=False)
+        s.nbytes -= gone
+        s.evicted += 1
+    s.peak = s.nbytes  # the peak under this budget
+
+
+def fingerprint(hooks: Any) -> str | None:
+    """A digest of the installed hooks that can change a prefix's KV; None if some hook is not a known op."""
+    from .steer import _Op
+
+    parts = []
+    for name, fns in sorted(hooks._hooks.items()):  # the manager's registry: hook point -> hooks, in order
+        for fn in fns:
+            if not isinstance(fn, _Op):
+                return None
+            if fn.positions in _BLIND:
+                continue
+            vec = hashlib.sha256(np.asarray(fn.vector, dtype=np.float32).tobytes()).hexdigest()
+            parts.append(f"{name}:{type(fn).__name__}:{fn.alpha!r}:{fn.positions}:{vec}")
+    return "|".join(parts)
+
+
+def _extend(lm: Any, cache: list, have: int, tokens: Sequence[int]) -> list:
+    """A copy of `cache` (the KV of tokens[:have]) run on through the rest of `tokens`."""
+    from mlx_lm.models.cache import KVCache
+
+    fresh = []
+    for c in cache:
+        k = KVCache()
+        k.keys, k.values, k.offset = c.keys[..., :have, :], c.values[..., :have, :], have
+        fresh.append(k)
+    # As in the prefix pass: every position real prompt, none a row's last.
+    with lm.hooks.forward(Rows(offset=have, ends=mx.array([len(tokens) + 1]))):
+        lm.head.body(mx.array([list(tokens[have:])]), cache=fresh)
+    mx.eval([c.state for c in fresh])
+    return fresh
+
+
+def prefix_kv(lm: Any, tokens: Sequence[int]) -> list | None:
+    """The batch-1 KV cache of `tokens` (as `_prefix_cache` computes it), from the store when it holds it."""
+    tokens = tuple(tokens)
+    s = store(lm)
+    fp = fingerprint(lm.hooks) if s.budget > 0 else None
+    if fp is None:
+        return _prefix_cache(lm, tokens)
+    found = s.longest(fp, tokens)
+    if found is not None and found[0] == len(tokens):
+        s.hits += 1
+        return found[1]
+    if found is not None and found[0] >= MIN_SHARED_PREFIX:
+        s.extended += 1
+        cache = _extend(lm, found[1], found[0], tokens)
+    else:
+        s.misses += 1
+        cache = _prefix_cache(lm, tokens)
+        if cache is None:
+            return None
+    s.put(fp, tokens, cache)
+    return cache
