@@ -278,7 +278,7 @@ def test_a_nan_log_likelihood_fails_the_run_in_one_line(stories_path, tmp_path):
 
 @pytest.mark.slow
 def test_non_finite_weights_fail_the_run_in_one_line(llama_path, tasks_dir, tmp_path):
-    from worker.files import safetensors_header
+    from worker.load import safetensors_header
 
     model = shutil.copytree(llama_path, tmp_path / "nan-model")
     weights = model / "model.safetensors"

@@ -112,7 +112,7 @@ def test_lora_adapter_changes_scores(llama_path, tmp_path):
     assert all(abs(a[0] - b[0]) > 1e-3 for a, b in zip(tuned, base))
 
 
-# --- the files' bytes, checked before anything loads (worker.files), and the weights' values at load -------------
+# --- the files' bytes, checked before anything loads (worker.load), and the weights' values at load -------------
 
 
 def _copy(model, tmp_path):
@@ -163,7 +163,7 @@ def _overwrite(path, offset, data: bytes):
 
 
 def test_non_finite_weights_are_named_when_they_load(llama_path, tmp_path):
-    from worker.files import safetensors_header
+    from worker.load import safetensors_header
 
     folder = _copy(llama_path, tmp_path)
     weights = folder / "model.safetensors"

@@ -91,7 +91,7 @@ def check_tokenizer(folder: Path, apply_chat_template: bool = False) -> None:
     names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
     if not any(n in names for n in _TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
         raise Refused(f"no tokenizer in {folder} (tokenizer.json, tokenizer.model or vocab files): copy the model's tokenizer files there")
-    from worker.files import FileProblem, check_tokenizer_files
+    from worker.load import FileProblem, check_tokenizer_files
 
     try:  # for a Hub model's snapshot; a local folder's were checked with it (worker.load.validate_local)
         check_tokenizer_files(folder)
