@@ -165,8 +165,7 @@ def test_workers_with_different_model_bytes_are_refused(llama_path, tmp_path):
 
 def test_the_identity_reaches_every_cache_key(llama_path, tmp_path):
     """What the driver puts in the result cache's keys: another byte in the weights, another key for every kind."""
-    from driver.lm.cache import identity as cache_identity
-    from driver.lm.cache import job_prefix, key
+    from driver.lm.cache import job_prefix, key, identity as cache_identity
     from worker.generate import GenRequest
     from worker.spec import Job
 

@@ -51,8 +51,7 @@ def _describe(state: dict, alive: int | None = None) -> None:
 @click.option("--cpus", default=1, show_default=True, type=click.IntRange(1, 256), help="CPUs each node offers Ray.")
 def up(nodes: int, cpus: int) -> None:
     """Start N `ray start` nodes on 127.0.0.1 with token authentication; print the address for --address."""
-    from cluster import ClusterError
-    from cluster import local
+    from cluster import ClusterError, local
 
     try:
         state = local.up(nodes, cpus)

@@ -18,8 +18,7 @@ def stage(model: str, revision: str | None, address: str | None) -> None:
     pieces of at most 64 MiB, each checked by sha256. A rerun moves only what is missing or damaged.
     """
     from cluster import ClusterError, connect
-    from cluster.stage import source_folder
-    from cluster.stage import stage as run_stage
+    from cluster.stage import source_folder, stage as run_stage
     from worker.load import ModelLoadError
     from worker.staged import StageError
 

@@ -33,10 +33,7 @@ def sweep_command(
     request is cached under OUTPUT/cache: rerun an interrupted or grown sweep and only what is missing runs.
     One sweep writes to OUTPUT at a time; a rerun replaces the outputs of the previous one (never the cache).
     """
-    from driver.sweep import outdir
-    from driver.sweep import report
-    from driver.sweep import SweepError, load_sweep
-    from driver.sweep import run as run_sweep
+    from driver.sweep import SweepError, load_sweep, outdir, report, run as run_sweep
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     check_workers(workers)

@@ -27,8 +27,7 @@ from driver.sweep.grid import run_grids
 from driver.sweep.plan import BASELINE, Sweep
 from driver.sweep.replay import Recorder, lm_eval_per_config, swapped_executor
 from driver.sweep.rows import PROMPT_HIGHER, add_deltas, lm_eval_failure, lm_eval_rows, prompt_rows
-from driver.sweep.targets import count_long, truncated, unequal_lengths
-from driver.sweep.targets import score as target_score
+from driver.sweep.targets import count_long, truncated, unequal_lengths, score as target_score
 
 __all__ = ["Outcome", "run"]
 
