@@ -65,18 +65,22 @@ def truncate(request: GenRequest, max_length: int) -> GenRequest:
     return request
 
 
-def generate(lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True) -> list[str]:
+def generate(
+    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, prompt_reuse: bool = False
+) -> list[str]:
     """Generated text per request (cut at the first stop string), in the order given."""
-    tokens = generate_tokens(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse)
+    tokens = generate_tokens(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse, prompt_reuse=prompt_reuse)
     return [stop_at(lm.tokenizer.decode(t, skip_special_tokens=True), r.until) for t, r in zip(tokens, requests)]
 
 
 def generate_tokens(
-    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True
+    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, prompt_reuse: bool = False
 ) -> list[list[int]]:
     """Generated token ids per request: EOS excluded; a row ends at the token that completes a stop string
     (decoded with special tokens, as lm-eval's stopping criteria do) or after max_gen_toks tokens.
-    `prefix_reuse` shares long common prompt prefixes (the same tokens either way; only speed changes)."""
+    `prefix_reuse` shares long common prompt prefixes (the same tokens either way; only speed changes).
+    `prompt_reuse` also stores each row's whole prompt but its last token (worker.prefix_cache), for a later
+    call whose installed steering is the same on prompt positions (a sweep's other configurations)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     reqs = []
@@ -94,6 +98,9 @@ def generate_tokens(
     for prefix, idx in _prefix_families([reqs[i].context for i in todo], prefix_reuse):
         idx = [todo[j] for j in idx]
         shared = prefix_kv(lm, reqs[idx[0]].context[:prefix]) if prefix else None
+        if prompt_reuse:  # the family's prefix (now stored) is where each row's own prompt KV starts from
+            parts += _own_prefixes(lm, reqs, idx, loose)
+            continue
         if shared is None:  # no shared prefix, or a model whose caches cannot share one
             loose.extend(idx)
             continue
@@ -110,6 +117,20 @@ def _cut(reqs, idx, batch_size, shared=None, prefix=0) -> list[tuple[Any, int, l
     # Longest first, like lm-eval: similar lengths share a batch (little padding) and memory peaks early.
     idx = sorted(idx, key=lambda i: -len(reqs[i].context))
     return [(shared, prefix, idx[b : b + batch_size]) for b in range(0, len(idx), batch_size)]
+
+
+def _own_prefixes(lm, reqs, idx, loose: list[int]) -> list[tuple[Any, int, list[int]]]:
+    """One-row parts, each starting from the stored KV of its prompt but the last token (which stays a suffix:
+    its position gives the first token and is the row's `last`); rows that cannot share go to `loose`."""
+    parts = []
+    for i in sorted(idx, key=lambda i: -len(reqs[i].context)):
+        ctx = reqs[i].context
+        shared = prefix_kv(lm, ctx[:-1]) if len(ctx) > 1 else None
+        if shared is None:
+            loose.append(i)
+        else:
+            parts.append((shared, len(ctx) - 1, [i]))
+    return parts
 
 
 def _decode_batches(parts: list, batch_size: int) -> list[list]:

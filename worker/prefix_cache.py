@@ -154,3 +154,27 @@ def prefix_kv(lm: Any, tokens: Sequence[int]) -> list | None:
             return None
     s.put(fp, tokens, cache)
     return cache
+
+
+def prompt_sharers(lm: Any, installs: Sequence[list]) -> list[bool]:
+    """Per configuration (its hooks), whether another one acts the same on every prompt position (the same
+    fingerprint: e.g. both steer only `continuation` or `last` positions), so their prompts' KV is the same
+    and worth storing for each other. Never with the store off."""
+    if store(lm).budget <= 0:
+        return [False] * len(installs)
+    prints = []
+    for install in installs:
+        with lm.hooks.installed(install):
+            prints.append(fingerprint(lm.hooks))
+    return [f is not None and prints.count(f) > 1 for f in prints]
+
+
+def blocks(groups: Sequence[list[int]], size: int) -> list[list[int]]:
+    """Consecutive groups (families, kept whole) packed into blocks of about `size` rows: a sweep runs every
+    configuration on one block before the next, so the block's stored prompts stay in the LRU meanwhile."""
+    out: list[list[int]] = []
+    for g in groups:
+        if not out or len(out[-1]) + len(g) > size:
+            out.append([])
+        out[-1].extend(g)
+    return out
