@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from .hooks import Rows, decoder_layers
-from .prefix_cache import prefix_kv
+from .prefix_cache import merged, own_prefixes, prefix_kv
 from .score import Row, _broadcast, _families
 
 
@@ -99,7 +99,7 @@ def generate_tokens(
         idx = [todo[j] for j in idx]
         shared = prefix_kv(lm, reqs[idx[0]].context[:prefix]) if prefix else None
         if prompt_reuse:  # the family's prefix (now stored) is where each row's own prompt KV starts from
-            parts += _own_prefixes(lm, reqs, idx, loose)
+            parts += own_prefixes(lm, [reqs[i].context for i in idx], idx, loose)
             continue
         if shared is None:  # no shared prefix, or a model whose caches cannot share one
             loose.extend(idx)
@@ -117,20 +117,6 @@ def _cut(reqs, idx, batch_size, shared=None, prefix=0) -> list[tuple[Any, int, l
     # Longest first, like lm-eval: similar lengths share a batch (little padding) and memory peaks early.
     idx = sorted(idx, key=lambda i: -len(reqs[i].context))
     return [(shared, prefix, idx[b : b + batch_size]) for b in range(0, len(idx), batch_size)]
-
-
-def _own_prefixes(lm, reqs, idx, loose: list[int]) -> list[tuple[Any, int, list[int]]]:
-    """One-row parts, each starting from the stored KV of its prompt but the last token (which stays a suffix:
-    its position gives the first token and is the row's `last`); rows that cannot share go to `loose`."""
-    parts = []
-    for i in sorted(idx, key=lambda i: -len(reqs[i].context)):
-        ctx = reqs[i].context
-        shared = prefix_kv(lm, ctx[:-1]) if len(ctx) > 1 else None
-        if shared is None:
-            loose.append(i)
-        else:
-            parts.append((shared, len(ctx) - 1, [i]))
-    return parts
 
 
 def _decode_batches(parts: list, batch_size: int) -> list[list]:
@@ -318,9 +304,22 @@ def _prefill_suffixes(
     return cache, right, prefix + W, logits
 
 
+def _prefill_last(lm: Any, reqs: list[GenRequest], cache: list[Any]) -> tuple[list[Any], list[int], int, mx.array]:
+    """Rows whose caches hold all of their prompt but the last token (left-padded): the last tokens in one
+    forward; the same return values as `_prefill`."""
+    B, P = len(reqs), cache[0]._idx + 1
+    pads = cache[0].left_padding.tolist()
+    rows = Rows(offset=P - 1, starts=mx.array(pads), ends=mx.full((B,), P), prompt_ends=mx.full((B,), P))
+    with lm.hooks.forward(rows):
+        logits = _last_logits(lm, mx.array([[r.context[-1]] for r in reqs]), cache)
+    return cache, pads, P, logits
+
+
 def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]]) -> tuple[list[Any], list[int], int, mx.array]:
     """Each part prefilled on its own (with its shared prefix, if any), then the caches joined row-wise into one
     left-padded batch (mlx-lm's BatchKVCache.extend right-aligns them); the same return values as `_prefill`."""
+    if len(parts) > 1 and all(len(r) == 1 and s is not None and len(r[0].context) == p + 1 for r, s, p in parts):
+        return _prefill_last(lm, [r[0] for r, _, _ in parts], merged([s for _, s, _ in parts]))
     done = [_prefill(lm, r) if shared is None else _prefill_suffixes(lm, r, shared, prefix) for r, shared, prefix in parts]
     if len(done) == 1:
         return done[0]

@@ -178,3 +178,24 @@ def blocks(groups: Sequence[list[int]], size: int) -> list[list[int]]:
             out.append([])
         out[-1].extend(g)
     return out
+
+
+def own_prefixes(lm: Any, contexts: Sequence[tuple[int, ...]], idx: list[int], loose: list[int]) -> list[tuple]:
+    """(KV, length, [row]) per row: its prompt's stored KV but the last token (which stays a suffix: its position
+    gives the first token and is the row's `last`); longest first; rows that cannot share go to `loose`."""
+    parts = []
+    for ctx, i in sorted(zip(contexts, idx), key=lambda p: -len(p[0])):
+        shared = prefix_kv(lm, ctx[:-1]) if len(ctx) > 1 else None
+        if shared is None:
+            loose.append(i)
+        else:
+            parts.append((shared, len(ctx) - 1, [i]))
+    return parts
+
+
+def merged(caches: Sequence[list]) -> list:
+    """Rows' own batch-1 KV caches (one list per row, lengths differ) as one left-padded BatchKVCache per layer
+    (new arrays: the stored entries stay untouched)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    return [BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
