@@ -11,6 +11,10 @@ entries. Any other hook (a capture, a custom callable) turns the store off for t
 A lookup uses the longest stored prefix of the wanted tokens with the same fingerprint (at least
 MIN_SHARED_PREFIX tokens); the rest of the wanted prefix runs on a copy of it, and the result is stored too.
 Entries leave in least-recently-used order once the stored KV bytes pass the budget.
+
+Sweeps (worker.grid.grid_generate) also store each row's whole prompt but its last token when several
+configurations have the same fingerprint (`prompt_sharers`): the first computes it, the others only run the
+last token (merged into one left-padded batch: `merged`) and decode.
 """
 
 from __future__ import annotations
