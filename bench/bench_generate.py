@@ -16,6 +16,11 @@ same token ids, greedy, a fixed number of new tokens:
                            (the per-model prefix store emptied first: a task's first chunk)
   ..., prefixes stored     the same with the store holding the exemplars' KV (a later chunk of the task)
 
+A sweep row: --sweep-configs configurations (add at each layer in turn, random vectors and alphas) x
+--sweep-prompts documents (half from each subject), one grid job (worker.jobs.run, Job(kind="generate",
+grid=...)), steering at `positions: all` (each configuration prefills its own prompts) vs `continuation` (the
+prompts' KV computed once, shared by every configuration: worker.prefix_cache.prompt_sharers).
+
 Orchard runs lm-eval's stop strings too (mlx-lm has none: a handicap for Orchard). Rows are interleaved (ABC,
 BCA, ...), best of N. Not a test: it asserts nothing; it prints the tables, the token agreement between rows,
 peak MLX memory per row, the prefix KV sizes and the load average (timings are wall-clock: prefer an idle machine).
@@ -45,6 +50,7 @@ TASKS = tuple(f"mmlu_flan_cot_fewshot_{s}" for s in SUBJECTS)
 HF_CACHE = bw.SHARED / "data" / "hf-datasets" / "cais___mmlu"
 VS_MLX_LM = 5.0  # sharing rate / mlx_lm.batch_generate rate
 VS_NO_SHARING = 2.0  # sharing rate / no-sharing rate
+VS_SWEEP_ALL = 3.0  # continuation sweep rate / all-positions sweep rate
 
 
 # --- contexts ----------------------------------------------------------------------------------------
@@ -142,7 +148,35 @@ def variants(lm, plain, tokenizer, reqs, batch_size: int, stored: dict | None = 
     return {name: peak(name, f) for name, f in rows.items()}
 
 
+def sweep_rows(lm, reqs, configs: int, batch_size: int) -> dict:
+    """The sweep's two timed rows: one grid job each, the prefix store emptied first."""
+    import numpy as np
+
+    from worker.jobs import run
+    from worker.prefix_cache import store
+    from worker.spec import Batching, Intervention, Job, Steering
+
+    rng = np.random.default_rng(0)
+    hidden, layers = lm.config["hidden_size"], lm.n_layers
+    vecs = [tuple(rng.standard_normal(hidden).tolist()) for _ in range(configs)]
+
+    def grid(positions: str) -> tuple:
+        return tuple(Steering(interventions=(Intervention(layer=c % layers, vector=v, alpha=float(1 + c % 3),
+                                                          positions=positions),)) for c, v in enumerate(vecs))
+
+    def row(positions: str):
+        def go():
+            store(lm).clear()
+            out = run(lm, Job(kind="generate", grid=grid(positions)), reqs, Batching(batch_size=batch_size))
+            SWEEP_STORE[positions] = max(SWEEP_STORE.get(positions, 0), store(lm).peak)
+            return out
+        return go
+
+    return {f"sweep, positions: {p}": row(p) for p in ("all", "continuation")}
+
+
 PEAKS: dict[str, int] = {}  # peak MLX memory per row (bytes)
+SWEEP_STORE: dict[str, int] = {}  # the prefix store's peak bytes per sweep row
 STORE_PEAK = [0]  # the prefix store's peak bytes over the timed runs
 
 
@@ -198,9 +232,11 @@ def parse(argv=None):
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the best counts")
     p.add_argument("--batch-size", type=int, default=32, help="Orchard's rows per forward (Batching's default)")
+    p.add_argument("--sweep-configs", type=int, default=10, help="steering configurations in the sweep row (0: none)")
+    p.add_argument("--sweep-prompts", type=int, default=16, help="documents in the sweep row (half per subject)")
     args = p.parse_args(argv)
     if args.quick:
-        args.docs, args.new_tokens, args.repeat = 4, 8, 1
+        args.docs, args.new_tokens, args.repeat, args.sweep_configs, args.sweep_prompts = 4, 8, 1, 3, 4
     return args
 
 
@@ -239,6 +275,9 @@ def main(argv=None) -> int:
         PEAKS.clear()
         times, outs = bs.interleave(rows, args.repeat)
         stats = store(lm).stats()
+        half = args.sweep_prompts // 2
+        sweep = [*reqs[:half], *reqs[args.docs : args.docs + half]]
+        sweep_times = bs.interleave(sweep_rows(lm, sweep, args.sweep_configs, args.batch_size), args.repeat)[0] if args.sweep_configs else {}
     names = list(rows)
     n = len(reqs)
     ref, off = outs[names[0]], outs[names[1]]
@@ -255,6 +294,12 @@ def main(argv=None) -> int:
     bs.table("Prefix sharing on vs off (speed-up vs no sharing)", "doc",
              [row(1), row(2, VS_NO_SHARING, off, " with no sharing"), row(3, VS_NO_SHARING, off, " with no sharing")],
              speedup=True)
+    if sweep_times:
+        cells = args.sweep_configs * len(sweep)
+        bs.table(f"Sweep: {args.sweep_configs} configurations x {len(sweep)} documents, one grid job (generations/s)", "gen",
+                 [{"name": k, "times": t, "n": cells, "target": VS_SWEEP_ALL if "continuation" in k else None,
+                   "extra": f"prefix store peak {SWEEP_STORE[k.split(': ')[1]] / 2**20:.1f} MiB"}
+                  for k, t in sweep_times.items()], speedup=True)
     print(f"\nprefix store: {stats['entries']} entries after the last run; peak {STORE_PEAK[0] / 2**20:.1f} MiB over the "
           f"timed runs, budget {stats['budget'] / 2**20:.0f} MiB (worker.prefix_cache.DEFAULT_BUDGET)")
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f}s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from .hooks import Rows, decoder_layers
-from .prefix_cache import prefix_kv
+from .prefix_cache import merged, own_prefixes, prefix_kv
 from .score import Row, _broadcast, _families
 
 
@@ -65,18 +65,22 @@ def truncate(request: GenRequest, max_length: int) -> GenRequest:
     return request
 
 
-def generate(lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True) -> list[str]:
+def generate(
+    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, prompt_reuse: bool = False
+) -> list[str]:
     """Generated text per request (cut at the first stop string), in the order given."""
-    tokens = generate_tokens(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse)
+    tokens = generate_tokens(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse, prompt_reuse=prompt_reuse)
     return [stop_at(lm.tokenizer.decode(t, skip_special_tokens=True), r.until) for t, r in zip(tokens, requests)]
 
 
 def generate_tokens(
-    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True
+    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, prompt_reuse: bool = False
 ) -> list[list[int]]:
     """Generated token ids per request: EOS excluded; a row ends at the token that completes a stop string
     (decoded with special tokens, as lm-eval's stopping criteria do) or after max_gen_toks tokens.
-    `prefix_reuse` shares long common prompt prefixes (the same tokens either way; only speed changes)."""
+    `prefix_reuse` shares long common prompt prefixes (the same tokens either way; only speed changes).
+    `prompt_reuse` also stores each row's whole prompt but its last token (worker.prefix_cache), for a later
+    call whose installed steering is the same on prompt positions (a sweep's other configurations)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     reqs = []
@@ -94,6 +98,9 @@ def generate_tokens(
     for prefix, idx in _prefix_families([reqs[i].context for i in todo], prefix_reuse):
         idx = [todo[j] for j in idx]
         shared = prefix_kv(lm, reqs[idx[0]].context[:prefix]) if prefix else None
+        if prompt_reuse:  # the family's prefix (now stored) is where each row's own prompt KV starts from
+            parts += own_prefixes(lm, [reqs[i].context for i in idx], idx, loose)
+            continue
         if shared is None:  # no shared prefix, or a model whose caches cannot share one
             loose.extend(idx)
             continue
@@ -297,9 +304,22 @@ def _prefill_suffixes(
     return cache, right, prefix + W, logits
 
 
+def _prefill_last(lm: Any, reqs: list[GenRequest], cache: list[Any]) -> tuple[list[Any], list[int], int, mx.array]:
+    """Rows whose caches hold all of their prompt but the last token (left-padded): the last tokens in one
+    forward; the same return values as `_prefill`."""
+    B, P = len(reqs), cache[0]._idx + 1
+    pads = cache[0].left_padding.tolist()
+    rows = Rows(offset=P - 1, starts=mx.array(pads), ends=mx.full((B,), P), prompt_ends=mx.full((B,), P))
+    with lm.hooks.forward(rows):
+        logits = _last_logits(lm, mx.array([[r.context[-1]] for r in reqs]), cache)
+    return cache, pads, P, logits
+
+
 def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]]) -> tuple[list[Any], list[int], int, mx.array]:
     """Each part prefilled on its own (with its shared prefix, if any), then the caches joined row-wise into one
     left-padded batch (mlx-lm's BatchKVCache.extend right-aligns them); the same return values as `_prefill`."""
+    if len(parts) > 1 and all(len(r) == 1 and s is not None and len(r[0].context) == p + 1 for r, s, p in parts):
+        return _prefill_last(lm, [r[0] for r, _, _ in parts], merged([s for _, s, _ in parts]))
     done = [_prefill(lm, r) if shared is None else _prefill_suffixes(lm, r, shared, prefix) for r, shared, prefix in parts]
     if len(done) == 1:
         return done[0]

@@ -35,9 +35,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from .generate import GenRequest, generate
+from .generate import GenRequest, families, generate
 from .hooks import Hook, Rows, decoder_layers
 from .load import LoadedModel
+from .prefix_cache import blocks, prompt_sharers
 from .score import Row, _batches, _broadcast, _families, _rows, _score_batch, loglikelihood
 from .spec import Batching, Steering
 from .steer import hidden_size, hooks_for
@@ -361,13 +362,20 @@ def _shared_block(
 def grid_generate(
     lm: LoadedModel, steerings: Sequence[Steering], requests: Sequence[GenRequest], batching: Batching | None = None
 ) -> list[list[str]]:
-    """Generated texts per request per configuration ([request][configuration]): one steered run each."""
+    """Texts per request per configuration ([request][configuration]), each a steered run. Configurations alike on
+    prompt positions (prefix_cache.prompt_sharers) go block by block of requests, sharing each prompt's KV."""
     batching = batching or Batching()
     installs = _installs(lm, steerings)
+    sharers = prompt_sharers(lm, installs)
     results: list[list[Any]] = [[None] * len(installs) for _ in requests]
-    for c, install in enumerate(installs):
-        with lm.hooks.installed(install):
-            for i, text in enumerate(generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)):
+    alone, together = [c for c, s in enumerate(sharers) if not s], [c for c, s in enumerate(sharers) if s]
+    groups = families(requests, lm.max_length, batching.prefix_reuse) if together else []
+    for configs, idx in [(alone, list(range(len(requests))))] + [(together, b) for b in blocks(groups, batching.batch_size)]:
+        for c in configs:
+            with lm.hooks.installed(installs[c]):
+                texts = generate(lm, [requests[i] for i in idx], batch_size=batching.batch_size,
+                                 prefix_reuse=batching.prefix_reuse, prompt_reuse=configs is together)
+            for i, text in zip(idx, texts):
                 results[i][c] = text
     return results
 

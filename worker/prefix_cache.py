@@ -11,6 +11,10 @@ entries. Any other hook (a capture, a custom callable) turns the store off for t
 A lookup uses the longest stored prefix of the wanted tokens with the same fingerprint (at least
 MIN_SHARED_PREFIX tokens); the rest of the wanted prefix runs on a copy of it, and the result is stored too.
 Entries leave in least-recently-used order once the stored KV bytes pass the budget.
+
+Sweeps (worker.grid.grid_generate) also store each row's whole prompt but its last token when several
+configurations have the same fingerprint (`prompt_sharers`): the first computes it, the others only run the
+last token (merged into one left-padded batch: `merged`) and decode.
 """
 
 from __future__ import annotations
@@ -154,3 +158,48 @@ def prefix_kv(lm: Any, tokens: Sequence[int]) -> list | None:
             return None
     s.put(fp, tokens, cache)
     return cache
+
+
+def prompt_sharers(lm: Any, installs: Sequence[list]) -> list[bool]:
+    """Per configuration (its hooks), whether another one acts the same on every prompt position (the same
+    fingerprint: e.g. both steer only `continuation` or `last` positions), so their prompts' KV is the same
+    and worth storing for each other. Never with the store off."""
+    if store(lm).budget <= 0:
+        return [False] * len(installs)
+    prints = []
+    for install in installs:
+        with lm.hooks.installed(install):
+            prints.append(fingerprint(lm.hooks))
+    return [f is not None and prints.count(f) > 1 for f in prints]
+
+
+def blocks(groups: Sequence[list[int]], size: int) -> list[list[int]]:
+    """Consecutive groups (families, kept whole) packed into blocks of about `size` rows: a sweep runs every
+    configuration on one block before the next, so the block's stored prompts stay in the LRU meanwhile."""
+    out: list[list[int]] = []
+    for g in groups:
+        if not out or len(out[-1]) + len(g) > size:
+            out.append([])
+        out[-1].extend(g)
+    return out
+
+
+def own_prefixes(lm: Any, contexts: Sequence[tuple[int, ...]], idx: list[int], loose: list[int]) -> list[tuple]:
+    """(KV, length, [row]) per row: its prompt's stored KV but the last token (which stays a suffix: its position
+    gives the first token and is the row's `last`); longest first; rows that cannot share go to `loose`."""
+    parts = []
+    for ctx, i in sorted(zip(contexts, idx), key=lambda p: -len(p[0])):
+        shared = prefix_kv(lm, ctx[:-1]) if len(ctx) > 1 else None
+        if shared is None:
+            loose.append(i)
+        else:
+            parts.append((shared, len(ctx) - 1, [i]))
+    return parts
+
+
+def merged(caches: Sequence[list]) -> list:
+    """Rows' own batch-1 KV caches (one list per row, lengths differ) as one left-padded BatchKVCache per layer
+    (new arrays: the stored entries stay untouched)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    return [BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
