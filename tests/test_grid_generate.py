@@ -98,3 +98,24 @@ def test_grid_generate_orders_results_by_configuration(lm):
     reqs = prompts(7)[:4]
     got = grid_generate(lm, grid, reqs, Batching(batch_size=2))
     assert got == independent(lm, grid, reqs, Batching(batch_size=2))
+
+
+def test_prompts_are_not_shared_when_a_block_would_not_fit_the_store(lm):
+    # A block of prompts whose KV exceeds the store's budget would be evicted before the next configuration
+    # reads it (every configuration then recomputing each prompt row by row): configurations run on their own.
+    from worker.prefix_cache import kv_bytes_per_token, set_budget
+
+    grid = [Steering(), steer(1, 1, 4.0, "continuation")]
+    reqs, batching = prompts(5), Batching(batch_size=4)
+    installs = [hooks_for(s, LAYERS, HIDDEN) if s else [] for s in grid]
+    contexts = [r.context for r in reqs]
+    need = sum(sorted(map(len, contexts), reverse=True)[:4]) * kv_bytes_per_token(lm)
+    before = store(lm).budget
+    try:
+        set_budget(lm, need)
+        assert prompt_sharers(lm, installs, contexts, 4) == [True, True]
+        set_budget(lm, need - 1)
+        assert prompt_sharers(lm, installs, contexts, 4) == [False, False]
+        assert grid_generate(lm, grid, reqs, batching) == independent(lm, grid, reqs, batching)
+    finally:
+        set_budget(lm, before)

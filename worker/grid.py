@@ -366,7 +366,7 @@ def grid_generate(
     prompt positions (prefix_cache.prompt_sharers) go block by block of requests, sharing each prompt's KV."""
     batching = batching or Batching()
     installs = _installs(lm, steerings)
-    sharers = prompt_sharers(lm, installs)
+    sharers = prompt_sharers(lm, installs, [r.context for r in requests], batching.batch_size)
     results: list[list[Any]] = [[None] * len(installs) for _ in requests]
     alone, together = [c for c, s in enumerate(sharers) if not s], [c for c, s in enumerate(sharers) if s]
     groups = families(requests, lm.max_length, batching.prefix_reuse) if together else []

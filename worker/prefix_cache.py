@@ -160,11 +160,22 @@ def prefix_kv(lm: Any, tokens: Sequence[int]) -> list | None:
     return cache
 
 
-def prompt_sharers(lm: Any, installs: Sequence[list]) -> list[bool]:
+def kv_bytes_per_token(lm: Any) -> int:
+    """An upper estimate of one token's KV bytes in every layer, from the config (float32 unless it says 16-bit)."""
+    c = {**(lm.config.get("text_config") or {}), **lm.config}
+    heads = c.get("num_attention_heads") or c.get("n_head") or 1
+    head_dim = c.get("head_dim") or (c.get("hidden_size") or c.get("n_embd") or heads) // heads
+    width = 2 if c.get("torch_dtype") in ("float16", "bfloat16") else 4
+    return 2 * lm.n_layers * (c.get("num_key_value_heads") or heads) * head_dim * width
+
+
+def prompt_sharers(lm: Any, installs: Sequence[list], contexts: Sequence[tuple] = (), block: int = 1) -> list[bool]:
     """Per configuration (its hooks), whether another one acts the same on every prompt position (the same
     fingerprint: e.g. both steer only `continuation` or `last` positions), so their prompts' KV is the same
-    and worth storing for each other. Never with the store off."""
-    if store(lm).budget <= 0:
+    and worth storing for each other. Never with the store off, nor when the `block` longest of `contexts` would
+    not fit in it at once (sharing would then evict each prompt before the next configuration reads it)."""
+    longest = sorted(map(len, contexts), reverse=True)[:block]
+    if store(lm).budget <= 0 or sum(longest) * kv_bytes_per_token(lm) > store(lm).budget:
         return [False] * len(installs)
     prints = []
     for install in installs:
