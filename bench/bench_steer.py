@@ -15,7 +15,8 @@ questions when that folder is absent). Three parts, each a table against an anch
                  Target: <= 2 % slower. A second copy of the anchor is timed too: its ratio is the noise floor.
   2 one op       worker.score.loglikelihood on the same requests inside `steered(lm, Steering(...))`:
                  unsteered (anchor), one `add` on all positions at the middle layer (target: <= 5 % slower),
-                 and as extra rows ablate, clamp and add at positions=last.
+                 and as extra rows ablate, clamp and add at positions=last; and one `add` at each branch site
+                 (resid_mid, attn_out, mlp_out; target: <= 5 % slower).
   3 extraction   driver.steering.vectors.extract through driver.lm.mlx_ray.MLXRayLM (embedded local Ray, threads=1 per
                  worker) on a few hundred contrastive MMLU pairs at all 4 layers: pairs/s on 1 vs 2 workers
                  (target >= 1.7x), and whether both give the same vectors (<= 1e-6).
@@ -224,8 +225,8 @@ def steering_variants(lm, layer: int, seed: int = 0) -> dict:
     v = np.random.default_rng(seed).standard_normal(hidden_size(lm)).astype(np.float32)
     vec = tuple(float(a) for a in v / np.linalg.norm(v))
 
-    def one(op: str, alpha: float, positions: str = "all") -> Steering:
-        return Steering(interventions=(Intervention(layer=layer, op=op, vector=vec, alpha=alpha, positions=positions),))
+    def one(op: str, alpha: float, positions: str = "all", site: str = "resid_post") -> Steering:
+        return Steering(interventions=(Intervention(layer=layer, site=site, op=op, vector=vec, alpha=alpha, positions=positions),))
 
     return {
         "unsteered (anchor)": (Steering(), None),
@@ -233,6 +234,7 @@ def steering_variants(lm, layer: int, seed: int = 0) -> dict:
         f"ablate, all positions, layer {layer}": (one("ablate", 1.0), None),
         f"clamp, all positions, layer {layer}": (one("clamp", 2.0), None),
         f"add, positions=last, layer {layer}": (one("add", 4.0, "last"), None),
+        **{f"add at {site}, layer {layer}": (one("add", 4.0, site=site), ADD_TARGET) for site in ("resid_mid", "attn_out", "mlp_out")},
     }
 
 

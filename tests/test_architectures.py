@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.utils import load as mlx_load
 
 from testbed.models import ARCHITECTURES, write_model
-from worker.hooks import Capture, HookError, Rows, decoder_layers
+from worker.hooks import Capture, HookError, Rows, decoder_layers, instrument
 from worker.load import load
 from worker.score import loglikelihood
 from worker.spec import Intervention, Steering
@@ -160,6 +160,17 @@ def test_installed_hook_that_never_ran_is_an_error(llama_path, how):
             raise KeyError("job failed")
 
 
+@pytest.mark.parametrize("site", ["attn_out", "resid_mid", "mlp_out"])
+def test_a_branch_hook_that_never_ran_is_an_error(llama_path, site):
+    lm = load(str(llama_path))
+    del forward_list(lm.model)[-1]  # the forward stops before the last block
+    last = lm.n_layers - 1
+    with pytest.raises(HookError, match=rf"hook {site}\.{last} never ran although the llama model ran forward"):
+        with steered(lm, add(last, vector(lm), site)):
+            loglikelihood(lm, REQUESTS)
+    assert not lm.hooks.active
+
+
 def test_residual_stream_that_is_not_batch_seq_hidden_is_refused(llama_path):
     lm = load(str(llama_path))
     d = len(vector(lm))
@@ -168,3 +179,114 @@ def test_residual_stream_that_is_not_batch_seq_hidden_is_refused(llama_path):
         with lm.hooks.installed([("resid_pre.0", Capture("last"))]):
             block(mx.zeros((5, d)))  # e.g. an architecture that flattens [batch * seq, hidden]
     assert "\n" not in str(e.value)
+
+
+# --- branch sites: attn_out, mlp_out, resid_mid ----------------------------------------------------
+
+
+def branch_module(block, point: str):
+    """The module whose output the block adds to its residual stream, found by hand per family."""
+    if point == "attn_out":
+        post = getattr(block, "post_feedforward_layernorm", None) and block.post_attention_layernorm
+        return post or getattr(block, "self_attn", None) or block.attn
+    post = getattr(block, "post_feedforward_layernorm", None)
+    return post or getattr(block, "mlp", None) or block.block_sparse_moe
+
+
+@contextlib.contextmanager
+def shifted_branch(model, layer: int, point: str, shift):
+    """The plain model with the branch output `point` of block `layer` passed through `shift` (an instance patch)."""
+    module = branch_module(forward_list(model)[layer], point)
+    cls = type(module)
+
+    class Shifted(cls):
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *args, **kwargs)
+            return (shift(out[0]), *out[1:]) if isinstance(out, tuple) else shift(out)
+
+    module.__class__ = Shifted
+    try:
+        yield
+    finally:
+        module.__class__ = cls
+
+
+@pytest.mark.parametrize("site", ["attn_out", "mlp_out"])
+def test_add_at_a_branch_output_equals_shifting_that_branch_by_hand(models, site):
+    arch, lm, plain = models
+    v = vector(lm, seed=1)
+    ours = run(lm, add(MIDDLE, v, site))
+    with shifted_branch(plain, MIDDLE, site, lambda y: y + ALPHA * mx.array(v)):
+        manual = plain(mx.array(TOKENS))
+    assert mx.allclose(ours, manual, atol=1e-5).item(), arch
+    assert not mx.allclose(ours, plain(mx.array(TOKENS)), atol=1e-2).item(), arch
+    assert mx.array_equal(lm.model(mx.array(TOKENS)), plain(mx.array(TOKENS))).item(), arch  # all removed
+
+
+def test_branch_captures_add_up_to_the_residual_stream(models):
+    arch, lm, _ = models
+    names = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+    caps = {n: Capture("all") for n in names}
+    with lm.hooks.installed([(f"{n}.{MIDDLE}", caps[n]) for n in names]), lm.hooks.forward(Rows()):
+        out = lm.model(mx.array(TOKENS))
+    assert mx.array_equal(out, run(lm)).item(), arch  # capturing changes nothing
+    for b in range(len(TOKENS)):
+        pre, attn, mid, mlp, post = (caps[n].records[0][b] for n in names)
+        assert mx.array_equal(mid, pre + attn).item(), arch  # the block's own x + attn_out, bit for bit
+        assert mx.allclose(post, mid + mlp, atol=1e-5).item(), arch
+
+
+def test_resid_mid_add_equals_attn_out_add(models):
+    arch, lm, _ = models
+    v = vector(lm, seed=2)
+    mid, attn = run(lm, add(MIDDLE, v, "resid_mid")), run(lm, add(MIDDLE, v, "attn_out"))
+    assert mx.allclose(mid, attn, atol=1e-5).item(), arch
+    assert not mx.allclose(mid, run(lm), atol=1e-2).item(), arch
+
+
+def tiny(family: str, **extra):
+    """An mlx-lm model of `family` built in memory with random weights (families the testbed does not write)."""
+    import importlib
+
+    mod = importlib.import_module(f"mlx_lm.models.{family}")
+    mx.random.seed(0)
+    args = dict(model_type=family, hidden_size=32, num_hidden_layers=LAYERS, intermediate_size=64, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, vocab_size=512, **extra)
+    fields = mod.ModelArgs.__dataclass_fields__
+    model = mod.Model(mod.ModelArgs(**{k: v for k, v in args.items() if k in fields}))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "olmo2"])
+@pytest.mark.parametrize("site", ["attn_out", "mlp_out"])
+def test_post_branch_norm_families_steer_the_branch_as_it_is_added(family, site):
+    """gemma2/3 and olmo2 normalise each branch's output before adding it: the site is after that norm."""
+    model = tiny(family, sliding_window_pattern=2, sliding_window=4)
+    x = mx.array(TOKENS)
+    plain = model(x)
+    shift = 0.5 * mx.random.normal((32,), key=mx.random.key(3))
+    with shifted_branch(model, MIDDLE, site, lambda y: y + shift):
+        manual = model(x)
+    hooks = instrument(model)
+    assert mx.array_equal(model(x), plain).item()  # instrumented, nothing installed: bitwise the plain model
+    with hooks.installed([(f"{site}.{MIDDLE}", lambda y, ctx: y + shift)]), hooks.forward(Rows()):
+        ours = model(x)
+    assert mx.allclose(ours, manual, atol=1e-5).item() and not mx.allclose(ours, plain, atol=1e-3).item()
+    mid, attn = Capture("all"), Capture("all")
+    pre = Capture("all")
+    points = [(f"resid_pre.{MIDDLE}", pre), (f"attn_out.{MIDDLE}", attn), (f"resid_mid.{MIDDLE}", mid)]
+    with hooks.installed(points), hooks.forward(Rows()):
+        model(x)
+    assert mx.array_equal(mid.records[0][0], pre.records[0][0] + attn.records[0][0]).item()
+
+
+def test_a_parallel_block_has_no_resid_mid_and_says_so_in_one_line():
+    model = tiny("phi", layer_norm_eps=1e-5, partial_rotary_factor=0.5)
+    hooks = instrument(model)
+    with pytest.raises(HookError, match=r"resid_mid\.1: the phi block has no resid_mid: .*parallel.*steer attn_out") as e:
+        with hooks.installed([("resid_mid.1", Capture("last"))]):
+            pass
+    assert "\n" not in str(e.value) and not hooks.active
+    with hooks.installed([("attn_out.1", Capture("last")), ("mlp_out.1", Capture("last"))]), hooks.forward(Rows()):
+        model(mx.array(TOKENS))  # its branch outputs are there, and both ran

@@ -334,6 +334,10 @@ STEERING_ROWS: list[Case] = [  # steering specs, vectors, pairs
     Case("vectors position cut off", "vectors", [*VEC, "--position", "1", "--model-args", "max_length=4"], 1,
          "line 1: position 1 falls in the first 7 tokens, cut off to fit the model's context of 4, of the 11 tokens", common=False,
          setup=_pairs_file(_HAPPY)),
+    Case("steer unknown site", "run", [], 1, "steer.yaml: interventions[0].site: 'attn_output' is not allowed (use one of: "
+         "resid_pre, resid_mid, resid_post, attn_out, mlp_out)", setup=_spec("interventions:\n  - {layer: 0, site: attn_output, vector: v.npy}\n")),
+    Case("vectors unknown site", "vectors", [*VEC, "--site", "mlp_output"], 2, "Invalid value for '--site': 'mlp_output' is not one of",
+         common=False, setup=_pairs_file(_HAPPY)),
 ]  # fmt: skip
 SWEEP_ROWS: list[Case] = [  # sweep files and their outputs
     Case("sweep second writer", "sweep", ["--workers", "1", "--output", "{case}/busy"], 1,

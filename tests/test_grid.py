@@ -127,7 +127,7 @@ SITES = ("resid_pre", "resid_post")
 
 
 def rule_grid(positions: str) -> list[Steering]:
-    """One position rule at both sites of layers 1 and 2 of 4 (blocks above each: splits 1, 2, 2, 3), and the
+    """One position rule at every site of layers 1 and 2 of 4 (resid_post: split L + 1, the others L), and the
     baseline. A grid holding one rule only: another rule in the same grid cannot hide a bug of this one."""
     ivs = [Intervention(layer=layer, site=site, vector=vector(2 * layer + k), alpha=3.0, positions=positions)
            for layer in (1, 2) for k, site in enumerate(SITES)]  # fmt: skip
@@ -232,6 +232,8 @@ def test_split_point():
     assert split_point(add(2, 1.0), 4) == 3
     assert split_point(add(-1, 1.0), 4) == 4
     assert split_point(add(2, 1.0, site="resid_pre"), 4) == 2
+    for site in ("resid_mid", "attn_out", "mlp_out"):  # inside block 2: it runs under the configuration's hooks
+        assert split_point(add(2, 1.0, site=site), 4) == 2
     both = Steering(interventions=add(3, 1.0).interventions + add(1, 1.0, site="resid_pre").interventions)
     assert split_point(both, 4) == 1
 

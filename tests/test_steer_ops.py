@@ -20,7 +20,7 @@ from worker.generate import GenRequest, generate_tokens
 from worker.hooks import HookContext, Rows
 from worker.load import load
 from worker.score import loglikelihood
-from worker.spec import Batching, Intervention, Steering
+from worker.spec import SITES, Batching, Intervention, Steering
 from worker.steer import Ablate, Add, Clamp, Replace, SteeringError, hidden_size, hooks_for, steered
 
 LAYERS, D = 3, 64
@@ -82,8 +82,10 @@ def hidden_by_hand(lm, tokens, interventions, n_ctx):
                 x[at] = op_by_hand(i.op, x[at], i.array(), i.alpha)
         return mx.array(x)[None]
 
-    for layer, block in enumerate(inner.layers):  # no hooks installed: the blocks pass through
-        h = edit(block(edit(h, "resid_pre", layer), mask), "resid_post", layer)
+    for layer, b in enumerate(inner.layers):  # llama's block, its parts called one by one, each site edited
+        h = edit(h, "resid_pre", layer)
+        mid = edit(h + edit(b.self_attn(b.input_layernorm(h), mask), "attn_out", layer), "resid_mid", layer)
+        h = edit(mid + edit(b.mlp(b.post_attention_layernorm(mid)), "mlp_out", layer), "resid_post", layer)
     return inner.norm(h)
 
 
@@ -116,7 +118,7 @@ class Snapshot:
 # --- each op at each positions mode ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("site", ["resid_pre", "resid_post"])
+@pytest.mark.parametrize("site", SITES)
 @pytest.mark.parametrize("positions", ["all", "prompt", "continuation", "last"])
 @pytest.mark.parametrize("op", ["add", "replace", "ablate", "clamp"])
 def test_op_at_positions_equals_running_the_blocks_by_hand(lm, op, positions, site):

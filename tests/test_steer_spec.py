@@ -193,6 +193,27 @@ def test_values_are_checked_in_the_dtype_the_model_computes_in(tree, fields, dty
         for_model(spec, {**config, "torch_dtype": "float32"}, "float16", base_dir=tree / "vecs")
 
 
+@pytest.mark.parametrize(
+    "family, parallel_flag, refused",
+    [("phi", None, True), ("cohere", None, True), ("gpt_neox", None, True), ("gpt_neox", False, False),
+     ("stablelm", None, False), ("stablelm", True, True), ("llama", None, False)],
+)
+def test_resid_mid_on_a_parallel_block_is_refused_naming_family_and_site(tree, family, parallel_flag, refused):
+    config = {"num_hidden_layers": 2, "hidden_size": 5, "model_type": family}
+    if parallel_flag is not None:
+        config["use_parallel_residual"] = parallel_flag
+    spec = {"interventions": [{"layer": 0, "site": "resid_mid", "vector": "v.npy"}]}
+    if not refused:
+        assert for_model(spec, config, base_dir=tree / "vecs").steering.interventions[0].site == "resid_mid"
+        return
+    with pytest.raises(SteeringError) as e:
+        for_model(spec, config, base_dir=tree / "vecs")
+    assert str(e.value) == (f"steering spec (dict): interventions[0].site: the {family} block runs attention and MLP in "
+                            "parallel on the same input, so it has no resid_mid: steer attn_out or mlp_out")  # fmt: skip
+    spec["interventions"][0]["site"] = "attn_out"  # its branch outputs are there
+    assert for_model(spec, config, base_dir=tree / "vecs").steering.interventions[0].site == "attn_out"
+
+
 def test_model_shape_reads_hf_configs():
     assert model_shape({"num_hidden_layers": 24, "hidden_size": 896}) == (24, 896)
     assert model_shape({"n_layer": 12, "n_embd": 768}) == (12, 768)
@@ -236,7 +257,7 @@ ERROR_CASES = {
     "layer missing": ({"interventions": [{"vector": "v.npy"}]}, ["interventions[0].layer", "missing"]),
     "vector missing": ({"interventions": [{"layer": 0}]}, ["interventions[0].vector", "missing"]),
     "unknown op": (iv(op="multiply"), ["interventions[0].op", "'multiply'", ", ".join(OPS)]),
-    "unknown site": (iv(site="mlp_out"), ["interventions[0].site", ", ".join(SITES)]),
+    "unknown site": (iv(site="attn_output"), ["interventions[0].site", ", ".join(SITES)]),
     "unknown positions": (iv(positions="first"), ["interventions[0].positions", ", ".join(POSITIONS)]),
     "normalize not bool": (iv(normalize="yes"), ["interventions[0].normalize", "true or false"]),
     "unknown field": (iv(alhpa=2), ["interventions[0].alhpa", "unknown field", "did you mean 'alpha'"]),

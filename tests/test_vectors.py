@@ -421,3 +421,53 @@ def test_vectors_that_would_be_zero_write_nothing(stories_path, tmp_path):
         "texts differ there; nothing written"
     )
     assert not out.exists()
+
+
+# --- capture at the branch sites ------------------------------------------------------------------------
+
+BRANCH_POINTS = ["resid_pre.1", "attn_out.1", "resid_mid.1", "mlp_out.1", "resid_post.1"]
+
+
+def branches_by_hand(lm, tokens, position: int) -> np.ndarray:
+    """[5, hidden]: block 1's input, attention output, mid residual, MLP output and output, its parts called by hand."""
+    inner = lm.model.model
+    h = inner.embed_tokens(mx.array([list(tokens)]))
+    mask = create_attention_mask(h, None)
+    h = inner.layers[0](h, mask)
+    b = inner.layers[1]
+    attn = b.self_attn(b.input_layernorm(h), mask)
+    mid = h + attn
+    mlp = b.mlp(b.post_attention_layernorm(mid))
+    return np.stack([np.array(s[0, position]) for s in (h, attn, mid, mlp, mid + mlp)])
+
+
+def test_branch_captures_equal_the_blocks_parts_by_hand_at_any_batch_size(lm):
+    requests = ragged_requests(10, seed=3)
+    one = capture(lm, requests, BRANCH_POINTS, Batching(batch_size=1))
+    many = capture(lm, requests, BRANCH_POINTS, Batching(batch_size=32))
+    for (tokens, position), a, b in zip(requests, one, many):
+        np.testing.assert_allclose(a, branches_by_hand(lm, tokens, position), atol=1e-5)
+        assert np.abs(a - b).max() <= 1e-6
+        assert np.array_equal(a[2], a[0] + a[1])  # resid_mid is resid_pre + attn_out, bit for bit
+
+
+def test_driver_vectors_at_each_site_keys_site_and_layer_and_steers_from_a_spec(stories_path, tmp_path):
+    from driver.steering.spec import for_model
+
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs(pairs, HAPPY, {"positive": "Tom was glad", "negative": "Tom was angry"})
+    found = {}
+    for site in ("resid_pre", "attn_out", "resid_mid", "mlp_out"):  # one cache: each site its own activations
+        out = tmp_path / f"{site}.safetensors"
+        proc = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, "--site", site, "--layers", "1", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        with safe_open(str(out), "np") as f:
+            assert list(f.keys()) == [f"{site}.1"] and f.metadata()["site"] == site
+            found[site] = f.get_tensor(f"{site}.1")
+    # mean-diff is linear in the activations, and resid_mid = resid_pre + attn_out
+    np.testing.assert_allclose(found["resid_mid"], found["resid_pre"] + found["attn_out"], atol=1e-5)
+    assert np.abs(found["attn_out"] - found["mlp_out"]).max() > 1e-3
+    spec = {"interventions": [{"layer": 1, "site": "attn_out", "vector": {"file": str(tmp_path / "attn_out.safetensors")}}]}
+    config = json.loads((stories_path / "config.json").read_text())
+    steering = for_model(spec, config, base_dir=tmp_path).steering
+    assert np.array_equal(np.asarray(steering.interventions[0].vector, np.float32), found["attn_out"])

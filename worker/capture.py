@@ -1,4 +1,4 @@
-"""Capture kernel: the residual stream at one position of each request, over token ids. No Ray, no lm-eval.
+"""Capture kernel: the residual stream (or a branch output: attn_out, mlp_out) at one position of each request, over token ids. No Ray, no lm-eval.
 
 A request is `(tokens, position)`; the result is a float32 [len(points), hidden] array per request, read at
 hook points such as `resid_post.3` after every hook already installed there (steering runs first). Rows

@@ -54,19 +54,20 @@ KINDS = ("loglikelihood", "generate")
 
 def _point_split(name: str) -> int:
     site, _, layer = name.rpartition(".")
-    return int(layer) if site == "resid_pre" else int(layer) + 1
+    return int(layer) + 1 if site == "resid_post" else int(layer)  # the other sites are in or before block L
 
 
 def split_point(steering: Steering | None, n_layers: int) -> int:
     """How many decoder blocks compute exactly what the plain model does under `steering`.
 
-    resid_pre.L leaves blocks 0..L-1 alone (L), resid_post.L blocks 0..L (L + 1); no intervention: n_layers.
+    resid_pre.L (and resid_mid.L, attn_out.L, mlp_out.L, inside block L) leave blocks 0..L-1 alone (L), resid_post.L
+    blocks 0..L (L + 1); no intervention: n_layers.
     Negative layers count from the end.
     """
     out = n_layers
     for iv in steering.interventions if steering else ():
         layer = iv.layer + n_layers if iv.layer < 0 else iv.layer
-        out = min(out, layer if iv.site == "resid_pre" else layer + 1)
+        out = min(out, layer + 1 if iv.site == "resid_post" else layer)
     return out
 
 

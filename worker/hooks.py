@@ -1,9 +1,13 @@
-"""Hook points on the residual stream of mlx-lm decoder blocks: `resid_pre.{L}` and `resid_post.{L}`.
+"""Hook points of mlx-lm decoder blocks: the residual stream `resid_pre.{L}`, `resid_mid.{L}`, `resid_post.{L}`
+and the branch outputs `attn_out.{L}`, `mlp_out.{L}` (what each branch adds to the residual stream).
 
 `instrument(model)` swaps each decoder block's class for a subclass whose `__call__` runs the hooks around
 the original one. The block stays the same object, so attribute reads (`use_sliding`, ...), any call
 signature and the parameter tree (weight names, LoRA, quantization) are untouched. With nothing registered
 the block's own output array is returned as is: the instrumented model is bitwise the plain model.
+Branch points swap the class of the module whose output the block adds to the residual (the attention / MLP
+module, or the post-branch norm in families that have one, e.g. gemma2/3, olmo2); `resid_mid` is edited
+through the attention branch: the branch returns edited(x + attn_out) - x, which the block adds back to x.
 
 Kernels describe the rows of each forward with a `Rows` (where each row's real tokens, and its prompt,
 begin and end in the padded layout); interventions turn it into position masks, so "last" is each row's
@@ -20,8 +24,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from .spec import parallel_block
+
 POSITIONS = ("all", "prompt", "continuation", "last")
-HOOK_POINTS = ("resid_pre", "resid_post")
+HOOK_POINTS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+# What each family names its branches, and the norms applied to a branch's output before the residual add.
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn", "mlp_block")
 
 
 @dataclass
@@ -86,13 +95,17 @@ class HookManager:
         self.rows = Rows()
         self._forwards = 0
         self._runs: dict[str, int] = {}
+        self.missing: dict[str, str] = {}  # hook point kind -> why this model's blocks lack it
+        self.block_inputs: dict[int, mx.array] = {}  # per layer, while a hooked block runs: its (edited) input
 
     def check_name(self, name: str) -> None:
         point, _, layer = name.rpartition(".")
         if point not in HOOK_POINTS or not layer.isdigit() or not 0 <= int(layer) < self.n_layers:
             raise ValueError(
-                f"unknown hook point {name!r}: use resid_pre.L or resid_post.L with 0 <= L < {self.n_layers}"
+                f"unknown hook point {name!r}: use {', '.join(p + '.L' for p in HOOK_POINTS)} with 0 <= L < {self.n_layers}"
             )
+        if point in self.missing:
+            raise HookError(f"{name}: the {self.arch} block has no {point}: {self.missing[point]}")
 
     def add(self, name: str, fn: Hook) -> Hook:
         self.check_name(name)
@@ -181,16 +194,82 @@ def _hooked_class(cls: type) -> type:
                 return cls.__call__(self, *args, **kwargs)
             if args:
                 args = (hooks.run(f"resid_pre.{layer}", args[0], layer), *args[1:])
+                hooks.block_inputs[layer] = args[0]
             else:  # blocks called with keywords only
                 key = next(iter(kwargs))
                 kwargs[key] = hooks.run(f"resid_pre.{layer}", kwargs[key], layer)
-            out = cls.__call__(self, *args, **kwargs)
+                hooks.block_inputs[layer] = kwargs[key]
+            try:
+                out = cls.__call__(self, *args, **kwargs)
+            finally:
+                hooks.block_inputs.pop(layer, None)
             if isinstance(out, tuple):  # blocks that also return e.g. router logits
                 return (hooks.run(f"resid_post.{layer}", out[0], layer), *out[1:])
             return hooks.run(f"resid_post.{layer}", out, layer)
 
         _HOOKED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "_orchard_block": True})
     return _HOOKED[cls]
+
+
+def _edit_branch(hooks: HookManager, point: str, layer: int, y: mx.array) -> mx.array:
+    """The branch output `y` after the `point` hooks and, for attention, the resid_mid hooks (as a delta)."""
+    y = hooks.run(f"{point}.{layer}", y, layer)
+    mid = f"resid_mid.{layer}"
+    if point != "attn_out" or mid not in hooks._hooks:
+        return y
+    x = hooks.block_inputs.get(layer)
+    if x is None:  # the branch ran outside its block's call: resid_mid unknown, so its hook never runs
+        return y
+    h = x + y  # exactly the block's own `x + attn_out`
+    edited = hooks.run(mid, h, layer)
+    return y if edited is h else edited - x
+
+
+_BRANCHES: dict[type, type] = {}
+
+
+def _hooked_branch(cls: type) -> type:
+    if cls not in _BRANCHES:
+
+        def __call__(self, *args: Any, **kwargs: Any):
+            out = cls.__call__(self, *args, **kwargs)
+            hooks: HookManager = self._orchard_hooks
+            if not hooks.active:
+                return out
+            point, layer = self._orchard_point, self._orchard_layer
+            if isinstance(out, tuple):  # (output, attention weights / cache / router logits)
+                return (_edit_branch(hooks, point, layer, out[0]), *out[1:])
+            return _edit_branch(hooks, point, layer, out)
+
+        _BRANCHES[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "_orchard_branch": True})
+    return _BRANCHES[cls]
+
+
+def _branch_modules(block) -> dict[str, Any]:
+    """{"attn_out": module, "mlp_out": module} whose outputs the block adds to its residual stream."""
+    def first(names):
+        return next((getattr(block, n) for n in names if callable(getattr(block, n, None))), None)
+
+    found = {"attn_out": first(ATTENTION_NAMES), "mlp_out": first(MLP_NAMES)}
+    if hasattr(block, "post_feedforward_layernorm"):  # post-branch norms (gemma2/3, olmo2): their outputs are added
+        found["mlp_out"] = block.post_feedforward_layernorm if found["mlp_out"] is not None else None
+        post_attn = getattr(block, "post_attention_layernorm", None)
+        found["attn_out"] = post_attn if found["attn_out"] is not None and post_attn is not None else None
+    return found
+
+
+def _instrument_branches(block, layer: int, hooks: HookManager) -> None:
+    for point, module in _branch_modules(block).items():
+        if module is None:
+            hooks.missing.setdefault(point, f"its blocks expose no {' / '.join(ATTENTION_NAMES if point == 'attn_out' else MLP_NAMES)} module")
+            continue
+        if not getattr(module, "_orchard_branch", False):
+            module.__class__ = _hooked_branch(type(module))
+        module._orchard_point, module._orchard_layer, module._orchard_hooks = point, layer, hooks
+
+
+def _parallel(model, block) -> bool:
+    return parallel_block(architecture(model), getattr(block, "use_parallel_residual", False))
 
 
 def decoder_layers(model) -> list:
@@ -221,6 +300,11 @@ def instrument(model) -> HookManager:
             block.__class__ = _hooked_class(type(block))
         block._orchard_layer = i
         block._orchard_hooks = hooks
+        _instrument_branches(block, i, hooks)
+    if "attn_out" in hooks.missing:
+        hooks.missing["resid_mid"] = "resid_mid is edited through the attention branch, which its blocks do not expose"
+    elif _parallel(model, layers[0]):
+        hooks.missing["resid_mid"] = "it runs attention and MLP in parallel on the same input; steer attn_out or mlp_out"
     model._orchard_hooks = hooks
     return hooks
 

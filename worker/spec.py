@@ -15,7 +15,23 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SITES = ("resid_pre", "resid_post")
+SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+# Families whose blocks run attention and MLP on the same input (x + attn(n(x)) + mlp(n(x))): no resid_mid.
+# gpt_neox and stablelm say so per model, in `use_parallel_residual` (gpt_neox's default: true).
+PARALLEL_FAMILIES = ("phi", "phixtral", "cohere", "cohere2")
+
+
+def parallel_block(family: str, use_parallel_residual: object) -> bool:
+    return family in PARALLEL_FAMILIES or use_parallel_residual is True
+
+
+def missing_sites(config: dict) -> dict[str, str]:
+    """{site: why} for the sites a model's blocks lack, read off its config.json (the worker's hooks agree)."""
+    family = str(config.get("model_type", "model"))
+    if parallel_block(family, config.get("use_parallel_residual", family == "gpt_neox")):
+        return {"resid_mid": f"the {family} block runs attention and MLP in parallel on the same input, so it has "
+                             "no resid_mid: steer attn_out or mlp_out"}  # fmt: skip
+    return {}
 
 
 class SteeringError(ValueError):
@@ -93,7 +109,7 @@ class Intervention(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layer: int
-    site: Literal["resid_pre", "resid_post"] = "resid_post"
+    site: Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"] = "resid_post"
     op: Literal["add", "replace", "ablate", "clamp"] = "add"
     vector: tuple[float, ...] = Field(repr=False)
     alpha: float = 1.0

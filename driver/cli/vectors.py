@@ -14,6 +14,7 @@ from driver.checks.files import check_cache, writable_file
 from driver.checks.model import check_model, check_tokenizer, model_config
 from driver.cli.errors import one_line, usage_errors
 from driver.lm.evaluation import lost_workers_line, on_workers, open_model
+from worker.spec import SITES
 
 VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads"}
 
@@ -22,7 +23,8 @@ VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--
 @click.option("--model", "model", required=True, help="Local model folder or Hugging Face repo id (mlx-lm format).")
 @click.option("--pairs", required=True, help='JSONL of contrastive pairs: {"positive": ..., "negative": ...} (+ optional "prompt").')
 @click.option("--layers", default="all", show_default=True, help="Comma-separated layers (negative: from the end), or all.")
-@click.option("--site", type=click.Choice(["resid_pre", "resid_post"]), default="resid_post", show_default=True)
+@click.option("--site", type=click.Choice(list(SITES)), default="resid_post", show_default=True,
+              help="resid_pre / resid_mid / resid_post: the residual stream; attn_out / mlp_out: a branch output.")
 @click.option("--method", type=click.Choice(["mean-diff", "pca-diff", "pca-center"]), default="mean-diff", show_default=True)
 @click.option("--position", default="last", show_default=True, help="Token whose activations are read: last, or an index (-2: second to last).")
 @click.option("--out", required=True, help="The .safetensors file to write.")

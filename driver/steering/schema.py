@@ -59,7 +59,7 @@ class InterventionSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layer: StrictInt
-    site: Literal["resid_pre", "resid_post"] = "resid_post"
+    site: Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"] = "resid_post"
     op: Literal["add", "replace", "ablate", "clamp"] = "add"
     vector: VectorField
     alpha: float = Field(default=1.0, strict=True, allow_inf_nan=False)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from worker.load import model_shape
-from worker.spec import FLOAT_MAX, Intervention, Steering, SteeringError, overflow, steering_overflow
+from worker.spec import FLOAT_MAX, Intervention, Steering, SteeringError, missing_sites, overflow, steering_overflow
 
 from driver.steering.schema import InterventionSpec, SpecFile, VectorRef, spec_error, validate_spec
 from driver.steering.userfiles import load_yaml, yaml_problem
@@ -244,12 +244,14 @@ def load_steering(
     *,
     n_layers: int | None = None,
     dtype: str = "float32",
+    missing: Mapping[str, str] | None = None,
 ) -> SteeringRun:
     """Read a steering spec: a .yaml/.yml/.json file, a dict, a `SpecFile`, or a ready `Steering`.
 
     Vector paths are relative to `base_dir`, by default the spec file's folder (the cwd for a dict).
     `n_layers` (the model's) resolves a negative layer's default safetensors key; `dtype` is the precision
-    the model computes in, in which alpha, the vectors and alpha*v must be finite (`for_model` passes both).
+    the model computes in, in which alpha, the vectors and alpha*v must be finite; `missing`: {site: why} for
+    the sites the model's blocks lack (`for_model` passes all three).
     The record: {source, source_sha256, spec (as written), vectors: [{path, key, file_sha256, sha256 (of the
     float32 bytes), norm, length, metadata}, one per intervention]}.
     """
@@ -267,6 +269,8 @@ def load_steering(
     interventions, vectors = [], []
     for i, iv in enumerate(spec.interventions):
         _in_range(iv, n_layers, lambda problem: spec_error(where, f"interventions[{i}].layer", problem))
+        if iv.site in (missing or {}):
+            raise spec_error(where, f"interventions[{i}].site", missing[iv.site])
         vector, entry = _load_vector(iv, f"interventions[{i}].vector", base, where, memo, n_layers)
         _in_dtype(iv, vector, dtype, lambda field, problem: spec_error(where, f"interventions[{i}]{field}", problem))
         fields = iv.model_dump(exclude={"vector"})
@@ -298,7 +302,7 @@ def for_model(source: str | os.PathLike | Mapping | SpecFile | Steering, config:
     """`load_steering` and `check` for the model of this config.json: negative layers resolved (their default
     safetensors keys too), shapes checked, values finite in the dtype the model computes in."""
     n_layers, hidden = model_shape(config)
-    loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype))
+    loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype), missing=missing_sites(config))
     return SteeringRun(check(loaded.steering, n_layers, hidden), loaded.record)
 
 
