@@ -61,8 +61,7 @@ def split_point(steering: Steering | None, n_layers: int) -> int:
     """How many decoder blocks compute exactly what the plain model does under `steering`.
 
     resid_pre.L (and resid_mid.L, attn_out.L, mlp_out.L, inside block L) leave blocks 0..L-1 alone (L), resid_post.L
-    blocks 0..L (L + 1); no intervention: n_layers.
-    Negative layers count from the end.
+    blocks 0..L (L + 1); no intervention: n_layers. Negative layers count from the end.
     """
     out = n_layers
     for iv in steering.interventions if steering else ():
