@@ -154,7 +154,7 @@ def test_run_summaries_say_where_the_results_came_from():
 
     assert on_workers({"workers": 0, "nodes": 0, "address": None}) == "on no workers (every result came from the cache)"
     assert on_workers({"workers": 2, "nodes": 1, "address": "local"}, ray=True) == "on 2 workers on 1 node (Ray at local)"
-    assert on_workers({"workers": 4, "nodes": 2, "address": "10.0.0.1:6379"}) == "on 4 workers on 2 nodes"
+    assert on_workers({"workers": 4, "nodes": 2, "address": "127.0.0.1:6379"}) == "on 4 workers on 2 nodes"
 
 
 # --- what a user meets in a real run: real subprocesses on an embedded Ray (issue 15) ------------------------------
