@@ -162,8 +162,9 @@ def _ask(address: str, metadata: tuple):
 def home() -> Path:
     """Where the local cluster (cluster.local) keeps its token and state: $ORCHARD_HOME/local-cluster, else
     ~/.cache/orchard/local-cluster ($XDG_CACHE_HOME honoured)."""
-    root = os.environ.get("ORCHARD_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "orchard")
-    return Path(root).expanduser() / FOLDER
+    from worker.identity import memo_path
+
+    return memo_path().parent / FOLDER
 
 
 def read_state() -> dict | None:

@@ -66,7 +66,7 @@ def split_point(steering: Steering | None, n_layers: int) -> int:
     out = n_layers
     for iv in steering.interventions if steering else ():
         layer = iv.layer + n_layers if iv.layer < 0 else iv.layer
-        out = min(out, layer + 1 if iv.site == "resid_post" else layer)
+        out = min(out, _point_split(f"{iv.site}.{layer}"))
     return out
 
 

@@ -59,3 +59,13 @@ class OneLineErrors(click.Group):
             click.echo(f"Error: internal error ({type(e).__name__}: {detail}); rerun with ORCHARD_TRACEBACK=1 for the traceback", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+@contextlib.contextmanager
+def resumable(cache: str | os.PathLike):
+    """Ctrl-C (or SIGTERM, driver.lm.quiet) stops the command in one line: what finished is in the cache."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo(f"interrupted: finished requests are cached in {cache}; rerun the same command to resume", err=True)
+        raise SystemExit(130) from None

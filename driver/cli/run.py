@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -18,7 +17,7 @@ from driver.checks.fewshot import check_fewshot
 from driver.checks.files import check_cache, writable_folder
 from driver.checks.model import check_model, check_steering, check_tokenizer, model_config
 from driver.checks.tasks import check_tasks, task_manager
-from driver.cli.errors import usage_errors
+from driver.cli.errors import resumable, usage_errors
 from driver.lm.evaluation import DATASET_HINT, Plan, evaluate, open_model, parse_seeds, save
 
 # model_args keys that have a flag of their own (a flag and a model_arg must never silently disagree)
@@ -140,16 +139,6 @@ def run(
             lm.executor.close()
     save(done, output_path, time.monotonic() - start)
     return done
-
-
-@contextlib.contextmanager
-def resumable(cache: str | os.PathLike):
-    """Ctrl-C (or SIGTERM, driver.lm.quiet) stops the command in one line: what finished is in the cache."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        click.echo(f"interrupted: finished requests are cached in {cache}; rerun the same command to resume", err=True)
-        raise SystemExit(130) from None
 
 
 def in_background(fn, *args) -> Future:

@@ -9,6 +9,7 @@ import click
 
 from driver.checks.cluster import check_address, check_workers
 from driver.checks.files import check_cache, writable_folder
+from driver.cli.errors import resumable
 from driver.lm.evaluation import on_workers
 
 
@@ -51,14 +52,11 @@ def sweep_command(
     except outdir.FolderBusy as e:
         raise click.ClickException(str(e)) from None
     try:
-        outcome = run_sweep(
-            plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, stage=stage, echo=click.echo
-        )
-        written = report.write_outputs(outcome, folder)
-    except KeyboardInterrupt:
-        kept = cache or folder / "cache"
-        click.echo(f"interrupted: finished requests are cached in {kept}; rerun the same command to resume", err=True)
-        raise SystemExit(130) from None
+        with resumable(cache or folder / "cache"):
+            outcome = run_sweep(
+                plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, stage=stage, echo=click.echo
+            )
+            written = report.write_outputs(outcome, folder)
     except ValueError as e:  # a request the model refuses (e.g. a prompt longer than the context window)
         raise click.ClickException(" ".join(str(e).split())) from None
     finally:

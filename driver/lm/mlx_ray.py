@@ -16,9 +16,9 @@ from cluster.executor import RayExecutor, Workers
 from worker.load import is_local
 from worker.spec import Batching, ModelSpec
 
+from driver.checks.settings import RAY_ONLY, check_model_args
 from driver.lm.cache import Cache
 from driver.lm.mlx import OrchardLM
-from driver.lm.model_setup import as_bool
 from driver.lm.progress import Progress
 from driver.steering.spec import warn_once
 
@@ -43,17 +43,11 @@ class MLXRayLM(OrchardLM):
     actor_cls: type = WorkerActor  # the actor class placed on each node
 
     def _init_extra(self, kwargs: dict) -> None:
-        self.ray_args = {
-            "workers": kwargs.pop("workers", "all"),
-            "address": kwargs.pop("address", None),
-            "cache_dir": kwargs.pop("cache", None),
-            "dashboard": as_bool(kwargs.pop("dashboard", False)),
-            "stage": as_bool(kwargs.pop("stage", False)),
-        }
-        for name in ("threads", "max_restarts"):
-            if kwargs.get(name) not in (None, ""):
-                self.ray_args[name] = int(kwargs[name])
-            kwargs.pop(name, None)
+        given = {k: kwargs.pop(k) for k in RAY_ONLY if k in kwargs}
+        ray = check_model_args({k: v for k, v in given.items() if v not in (None, "")})  # one line on a typo
+        self.ray_args = {"workers": ray.get("workers", "all"), "address": ray.get("address"), "cache_dir": ray.get("cache"),
+                         "dashboard": ray.get("dashboard", False), "stage": ray.get("stage", False)}  # fmt: skip
+        self.ray_args |= {k: ray[k] for k in ("threads", "max_restarts") if k in ray}
         super()._init_extra(kwargs)
 
     def make_executor(self, spec: ModelSpec, batching: Batching) -> RayExecutor:
