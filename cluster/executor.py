@@ -55,7 +55,7 @@ def stage_model(spec: ModelSpec) -> str:
     except StageError as e:
         raise ClusterError(" ".join(str(e).split())) from None
     moved = sum(n.bytes_sent for n in report.nodes) / 1e6
-    print(f"staged {spec.model} on {len(report.nodes)} nodes ({moved:.1f} MB moved)", file=sys.stderr)
+    print(f"staged {spec.model} on {len(report.nodes)} node{'s' * (len(report.nodes) != 1)} ({moved:.1f} MB moved)", file=sys.stderr)
     return report.staged_model
 
 

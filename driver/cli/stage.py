@@ -45,6 +45,6 @@ def stage(model: str, revision: str | None, address: str | None) -> None:
             f"{n.rate:.1f} MB/s), kept {n.files_kept}{hub}"
         )
     click.echo(
-        f"staged {report.name} ({report.files} files, {report.bytes / 1e6:.1f} MB) on {len(report.nodes)} nodes "
+        f"staged {report.name} ({report.files} files, {report.bytes / 1e6:.1f} MB) on {len(report.nodes)} node{'s' * (len(report.nodes) != 1)} "
         f"in {report.seconds:.1f} s as {report.staged_model}"
     )
