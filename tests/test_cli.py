@@ -352,3 +352,16 @@ def test_sigterm_stops_a_run_like_ctrl_c(llama_path, tasks_dir, tmp_path, comman
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or ())]
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert not left, f"Ray processes left running: {left}"
+
+
+@pytest.mark.parametrize("bad, said", [("dashboard=flase", "not a boolean"), ("threads=x", "not a whole number"),
+                                       ("max_restarts=-1", "too small")])  # fmt: skip
+def test_mlx_rays_own_model_args_are_checked_before_ray_starts(stories_path, bad, said):
+    # simple_evaluate(model="mlx-ray", model_args=...): a typo in a Ray-only key is one line, never a silent default
+    import driver  # noqa: F401  registers the models
+    from lm_eval.api.registry import get_model
+
+    from driver.checks.settings import SettingError
+
+    with pytest.raises(SettingError, match=said):
+        get_model("mlx-ray").create_from_arg_string(f"pretrained={stories_path},{bad}", {})
