@@ -35,6 +35,9 @@ def ray_executor(
     )
 
 
+_NAMES = ("workers", "address", "cache")  # kept as given (a count or "all", a text): checked as text
+
+
 @register_model("mlx-ray")
 class MLXRayLM(OrchardLM):
     """`mlx` plus workers (a count or "all"), address (auto | HOST:PORT | local), cache (a folder), threads,
@@ -44,7 +47,10 @@ class MLXRayLM(OrchardLM):
 
     def _init_extra(self, kwargs: dict) -> None:
         given = {k: kwargs.pop(k) for k in RAY_ONLY if k in kwargs}
-        ray = check_model_args({k: v for k, v in given.items() if v not in (None, "")})  # one line on a typo
+        given = {k: v for k, v in given.items() if v not in (None, "")}
+        # checked as the CLI's are: one line on a typo (lm-eval has already turned numbers and true/false into values)
+        checked = check_model_args({k: str(v) if k in _NAMES else v for k, v in given.items()})
+        ray = given | {k: v for k, v in checked.items() if k not in _NAMES}
         self.ray_args = {"workers": ray.get("workers", "all"), "address": ray.get("address"), "cache_dir": ray.get("cache"),
                          "dashboard": ray.get("dashboard", False), "stage": ray.get("stage", False)}  # fmt: skip
         self.ray_args |= {k: ray[k] for k in ("threads", "max_restarts") if k in ray}
