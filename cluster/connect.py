@@ -15,6 +15,7 @@ explicit address Ray never enables that by itself (a token is not sent to whatev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,7 +49,28 @@ class Connection:
         import ray
 
         if self.embedded and ray.is_initialized():
-            ray.shutdown()
+            with signals_held():
+                ray.shutdown()
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Ctrl-C or SIGTERM waits until the block ends, then acts as it would have: a Ray shutdown cut halfway
+    leaves its C++ core to exit the process with status 1 (not the command's 130) and its processes behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import signal
+
+    caught: list[int] = []
+    held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
 
 
 def source_of(address: str | None) -> tuple[str, str]:

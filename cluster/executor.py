@@ -18,7 +18,7 @@ from worker.grid import distinct
 from worker.spec import Batching, Job, ModelSpec, Steering
 
 from .actor import Pool, WorkerActor, held_files, launch, ready, stop
-from .connect import ClusterError, connect
+from .connect import ClusterError, connect, signals_held
 from .intake import Intake, Stored, encoder
 from .limits import check_local
 from .place import parse_workers, worker_count
@@ -35,12 +35,13 @@ class _Held:
 
 
 def _shutdown(held: _Held, cache: Any) -> None:
-    if held.connection is not None:
-        if not held.connection.embedded:  # an embedded Ray goes down whole with its actors; a cluster stays up
-            stop(held.actors)
-        held.connection.close()
-    if cache is not None:
-        cache.close()
+    with signals_held():  # a second Ctrl-C must not cut Ray's shutdown or the cache's last write in half
+        if held.connection is not None:
+            if not held.connection.embedded:  # an embedded Ray goes down whole with its actors; a cluster stays up
+                stop(held.actors)
+            held.connection.close()
+        if cache is not None:
+            cache.close()
 
 
 def stage_model(spec: ModelSpec) -> str:

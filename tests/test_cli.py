@@ -292,7 +292,8 @@ def test_non_finite_weights_fail_the_run_in_one_line(llama_path, tasks_dir, tmp_
 
 
 def _long_sweep(folder, model) -> str:
-    """A sweep of one steering configuration generating 400 tokens for each of 12 prompts."""
+    """A sweep of 48 steering configurations generating up to 400 tokens for each of 12 prompts: minutes of work,
+    so a signal sent a second after it starts lands mid-sweep (the tiny model often stops early at its EOS)."""
     import json
 
     import numpy as np
@@ -305,7 +306,7 @@ vectors:
   v: {{file: v.npy}}
 grid:
   layers: [0]
-  alphas: [1.0]
+  alphas: [{", ".join(str(a / 8) for a in range(1, 49))}]
 prompts:
   - {{file: prompts.jsonl, max_gen_toks: 400, until: ["QQQQ"]}}
 """
