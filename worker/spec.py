@@ -88,6 +88,18 @@ class ModelSpec(BaseModel):
     trust_remote_code: bool = False
 
 
+class Grouping(BaseModel):
+    """How many nodes hold one copy of the model and how it is split across them (worker groups). Never a number:
+    a split model's numbers equal the unsplit model's, so it is not part of the result-cache key."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size: int = Field(default=1, ge=1, description="nodes (ranks) per copy of the model")
+    split: Literal["pipeline", "tensor"] = Field(
+        default="pipeline", description="pipeline: contiguous layer ranges per rank; tensor: mlx-lm's shard(group)"
+    )
+
+
 class Batching(BaseModel):
     """How a worker cuts its requests into forward passes; never changes a number, only speed."""
 
