@@ -54,7 +54,8 @@ class WorkerActor:
         if need > have:
             raise ModelLoadError(
                 f"the model's weights ({need:.1f} GB) do not fit in the {have:.1f} GB this node has for models "
-                f"({source}): use a smaller or quantized model (e.g. an mlx-community 4-bit one), or leave this node out"
+                f"({source}): use a smaller or quantized model (e.g. an mlx-community 4-bit one), pass --group-size "
+                f"{-(-need // max(have, 1e-9)):.0f} (or auto) to split it across that many nodes, or leave this node out"
             )
 
     def facts(self) -> dict:
@@ -105,6 +106,35 @@ class Pool:
             self.alive.add(w)
         except RayActorError:
             pass  # gone for good
+
+    # What dispatch asks every pool; a pool of worker groups (cluster.groups) answers otherwise.
+    def watched(self) -> dict:
+        """Refs dispatch waits on besides the results (a group's other ranks): none here."""
+        return {}
+
+    def settle(self, ref: Any) -> None:
+        """A watched ref landed (never here)."""
+
+    def due(self) -> float | None:
+        """Seconds until the next deadline (a hung group): none here."""
+        return None
+
+    def expire(self) -> None:
+        """Act on deadlines passed (none here)."""
+
+    def broken(self, w: int, error: BaseException) -> bool:
+        """Whether a result's error means worker w is lost (never here: an actor's death is a RayActorError)."""
+        return False
+
+    def drop(self, ref: Any) -> None:
+        """A copy no longer needed: cancelled."""
+        import ray
+
+        ray.cancel(ref)
+
+    def gone(self) -> str:
+        """Why the run cannot go on once no worker is left."""
+        return "every worker is lost"
 
 
 def launch(

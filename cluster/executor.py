@@ -15,10 +15,12 @@ from typing import Any
 
 from worker.grid import KINDS as GRID_KINDS
 from worker.grid import distinct
-from worker.spec import Batching, Job, ModelSpec, Steering
+from worker.spec import Batching, Grouping, Job, ModelSpec, Steering
 
+from . import groups
 from .actor import Pool, WorkerActor, held_files, launch, ready, stop
 from .connect import ClusterError, connect, signals_held
+from .groups.pool import DEADLINE
 from .intake import Intake, Stored, encoder
 from .limits import check_local
 from .place import parse_workers, worker_count
@@ -32,6 +34,7 @@ class _Held:
 
     connection: Any = None
     actors: list = field(default_factory=list)
+    placements: list = field(default_factory=list)  # worker groups' placement groups (their `mlx` units)
 
 
 def _shutdown(held: _Held, cache: Any) -> None:
@@ -39,9 +42,20 @@ def _shutdown(held: _Held, cache: Any) -> None:
         if held.connection is not None:
             if not held.connection.embedded:  # an embedded Ray goes down whole with its actors; a cluster stays up
                 stop(held.actors)
+                _remove(held.placements)
             held.connection.close()
         if cache is not None:
             cache.close()
+
+
+def _remove(placements: list) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    if ray.is_initialized():
+        for pg in placements:
+            remove_placement_group(pg)
+    placements.clear()
 
 
 def stage_model(spec: ModelSpec) -> str:
@@ -77,46 +91,68 @@ class Workers:
         stage: bool = False,
         actor_cls: type = WorkerActor,
         files: dict | None = None,
+        grouping: Grouping = Grouping(),
+        group_deadline: float = DEADLINE,
     ):
         """`threads` caps BLAS/OpenMP threads per worker (several workers on one machine); a crashed worker is
         restarted up to `max_restarts` times. `actor_cls` is the actor class to place (tests pass a subclass).
         `files`: what every worker must hold ({"weights": fingerprint, "adapter": fingerprint}), when the head
-        knows it (a local model: the head's copy)."""
+        knows it (a local model: the head's copy). `grouping`: N workers are N groups of `grouping.size` ranks
+        holding one model split across them (cluster.groups); a group that makes no progress for `group_deadline`
+        s while it holds chunks is lost."""
         self.requested = parse_workers(workers)
-        check_local(self.requested, address, spec.model)  # before anything starts: workers this machine can hold
+        check_local(self.requested, address, spec.model, grouping.size)  # before anything starts: what this machine holds
         self.options = {"address": address, "dashboard": dashboard, "stage": stage, "threads": threads,
-                        "max_restarts": max_restarts, "actor_cls": actor_cls}  # fmt: skip
-        self.spec, self.batching, self.files = spec, batching, files
+                        "max_restarts": max_restarts, "actor_cls": actor_cls, "deadline": group_deadline}  # fmt: skip
+        self.spec, self.batching, self.files, self.grouping = spec, batching, files, grouping
         self.held = _Held()
         self.pool = Pool([])
         self.facts: list[dict] | None = None  # each worker's facts, once every one holds the model
         self.names: list[str] = []
         self._launched: Any = None
+        self._formed: Any = None  # the worker groups (cluster.groups.Formed) when grouping.size > 1
 
     def start(self) -> None:
         """Join (or start) Ray and place the workers; they load the model in the background (`ready`)."""
-        o, requested = self.options, self.requested
-        connection = connect(o["address"], local_workers=1 if requested == "all" else requested, dashboard=o["dashboard"])
+        o, requested, size = self.options, self.requested, self.grouping.size
+        local = (1 if requested == "all" else requested) * size  # the embedded Ray: one unit per rank
+        connection = connect(o["address"], local_workers=local, dashboard=o["dashboard"])
         try:
-            n = worker_count(requested)
+            n = worker_count(requested) if size == 1 else groups.group_count(requested, size)
             if o["stage"]:  # every node gets its own verified copy first; the workers load that
                 self.spec = self.spec.model_copy(update={"model": stage_model(self.spec)})
-            actors, self._launched = launch(
-                self.spec, self.batching, n, actor_cls=o["actor_cls"], threads=o["threads"], max_restarts=o["max_restarts"]
-            )
+            if size == 1:
+                actors, self._launched = launch(
+                    self.spec, self.batching, n, actor_cls=o["actor_cls"], threads=o["threads"], max_restarts=o["max_restarts"]
+                )
+                self.pool = Pool(actors)
+            else:
+                actors = self._launch_groups(n)
         except BaseException:
             connection.close()
             raise
         self.held.connection, self.held.actors = connection, actors
-        self.pool = Pool(actors)
+
+    def _launch_groups(self, n: int) -> list:
+        """Place n groups; their ranks join and load in the background (`ready`). All their rank actors."""
+        o = self.options
+        rank_cls = o["actor_cls"] if issubclass(o["actor_cls"], groups.GroupRank) else groups.GroupRank
+        self._formed, self._launched = groups.launch(self.spec, self.batching, n, self.grouping, actor_cls=rank_cls, threads=o["threads"])
+        self.held.placements = self._formed.placements
+        self.pool = groups.GroupPool([groups.GroupHandle(r, g) for g, r in enumerate(self._formed.ranks)], o["deadline"])
+        return self._formed.actors()
 
     def ready(self) -> list[dict]:
         """Block until every worker holds the model (starting them if they are not yet); a load failure surfaces
         here, in one line."""
         if self.held.connection is None:
             self.start()
-        facts = ready(self.held.actors, self._launched, self.spec, self.files)  # the same files on every worker
-        self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(facts)]
+        if self._formed is not None:  # one worker per group: rank 0's facts, every rank's under "ranks"
+            facts = groups.ready_groups(self._formed, self._launched, self.spec, self.files)
+            self.names = groups.names(facts)
+        else:
+            facts = ready(self.held.actors, self._launched, self.spec, self.files)  # the same files on every worker
+            self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(facts)]
         self.facts = facts
         return facts
 
@@ -265,16 +301,27 @@ class RayExecutor:
         return {
             "executor": "ray",
             "address": self.connection.address if self.connection is not None else None,
-            "workers": len(self.actors),
+            "workers": len(self.pool.workers),  # groups, when grouped
             "workers_alive": len(self.pool.alive),
-            "nodes": len({f["node_id"] for f in facts}),
+            "nodes": len({r["node_id"] for f in facts for r in f.get("ranks", [f])}),
             "requests_computed": dict(self.done),
             "requests_cached": self.stored.cached,
             "requests_per_s": {n: round(k / seconds, 2) for n, k in self.done.items()},
             "seconds": round(self.seconds, 3),
             "cache": str(cache.path) if cache is not None else None,
             "facts": facts,
+            **({"groups": self.groups()} if self.workers._formed is not None else {}),
         }
+
+    def groups(self) -> list[dict]:
+        """Per group: its split and ranks (node, layers held, peak memory now, when it can answer at once)."""
+        pool, facts = self.pool, self.workers.facts or []
+        peaks = pool.peaks() if isinstance(pool, groups.GroupPool) else {}
+        return [
+            {"group": f["group"], "size": f.get("group_size"), "split": f.get("split"), "alive": g in pool.alive,
+             "ranks": [{**r, "peak_memory_gb": peaks.get((g, r["rank_in_group"]), r["peak_memory_gb"])} for r in f["ranks"]]}
+            for g, f in enumerate(facts)
+        ]  # fmt: skip
 
     def close(self) -> None:
         self.progress.close()  # the run's progress bar ends before its results are printed

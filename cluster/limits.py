@@ -23,25 +23,28 @@ def _gb(n: float) -> str:
     return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
 
 
-def local_problem(workers: int, *, cores: int, available: int, weights: int) -> str | None:
-    """Why `workers` workers do not fit on this machine (its `cores` and `available` bytes of memory, the model's
-    `weights` bytes per copy), as one line naming the limit and the fix; None when they fit."""
-    by_cores = max(1, cores * WORKERS_PER_CORE)
-    per_worker = weights + WORKER_OVERHEAD
+def local_problem(workers: int, *, cores: int, available: int, weights: int, size: int = 1) -> str | None:
+    """Why `workers` workers (groups of `size` processes, each holding 1/size of the weights) do not fit on this
+    machine (its `cores` and `available` bytes of memory, the model's `weights` bytes per copy), as one line naming
+    the limit and the fix; None when they fit."""
+    by_cores = max(1, cores * WORKERS_PER_CORE) // size
+    per_worker = size * (-(-weights // size) + WORKER_OVERHEAD)
     by_memory = max(0, (available - RAY_OVERHEAD) // per_worker)
-    where = f"--workers {workers} with Ray on this machine (--address local)"
+    grouped = f" --group-size {size} ({workers * size} worker processes)" if size > 1 else ""
+    where = f"--workers {workers}{grouped} with Ray on this machine (--address local)"
     if workers > by_cores:
+        fit = f"pass --workers {by_cores} or fewer" if by_cores else "pass a smaller --group-size"
         return (
-            f"{where}: it has {cores} CPU core{'s' * (cores != 1)}, room for at most {by_cores} workers "
-            f"({WORKERS_PER_CORE} per core): pass --workers {by_cores} or fewer, or --address a cluster with more Macs"
+            f"{where}: it has {cores} CPU core{'s' * (cores != 1)}, room for at most {max(1, cores * WORKERS_PER_CORE)} "
+            f"worker processes ({WORKERS_PER_CORE} per core): {fit}, or --address a cluster with more Macs"
         )
     if workers > by_memory:
         need = RAY_OVERHEAD + workers * per_worker
         fit = f"pass --workers {by_memory} or fewer" if by_memory else "free memory or use a smaller model"
+        copies = f"{workers} copies of the model ({_gb(weights)} of weights each)"
         return (
-            f"{where}: {workers} copies of the model ({_gb(weights)} of weights each) plus {_gb(WORKER_OVERHEAD)} per "
-            f"worker process and {_gb(RAY_OVERHEAD)} for Ray need {_gb(need)}, but {_gb(available)} of memory is "
-            f"available: {fit}, or --address a cluster with more Macs"
+            f"{where}: {copies} plus {_gb(WORKER_OVERHEAD)} per worker process and {_gb(RAY_OVERHEAD)} for "
+            f"Ray need {_gb(need)}, but {_gb(available)} of memory is available: {fit}, or --address a cluster with more Macs"
         )
     return None
 
@@ -66,13 +69,14 @@ def model_weights(model: str) -> int:
         return 0
 
 
-def check_local(workers: int | str, address: str | None, model: str) -> None:
-    """ClusterError (one line) when `workers` workers of `model` cannot run on this machine's embedded Ray; nothing
-    when the address is a cluster, or this process is already connected to a Ray (its resources rule)."""
+def check_local(workers: int | str, address: str | None, model: str, size: int = 1) -> None:
+    """ClusterError (one line) when `workers` workers (groups of `size`) of `model` cannot run on this machine's
+    embedded Ray; nothing when the address is a cluster, or this process is already connected to a Ray (its
+    resources rule)."""
     ray = sys.modules.get("ray")
     if workers == "all" or source_of(address)[0] != LOCAL or (ray is not None and ray.is_initialized()):
         return
     cores, available = machine()
-    problem = local_problem(int(workers), cores=cores, available=available, weights=model_weights(model))
+    problem = local_problem(int(workers), cores=cores, available=available, weights=model_weights(model), size=size)
     if problem:
         raise ClusterError(problem)

@@ -70,7 +70,8 @@ def worker_env(threads: int | None = None) -> dict | None:
 
 
 def place(
-    cls: type, n: int, *args: Any, max_restarts: int = 3, threads: int | None = None, per_worker: list[dict] | None = None
+    cls: type, n: int, *args: Any, max_restarts: int = 3, threads: int | None = None, per_worker: list[dict] | None = None,
+    placement: Any = None,
 ) -> list:
     """Start `n` actors of `cls`, each holding one `mlx` unit, so no two share a Mac.
 
@@ -78,14 +79,16 @@ def place(
     constructor runs again) up to `max_restarts` times; its calls are never retried by Ray: the scheduler
     re-queues them. `threads` caps the BLAS/OpenMP threads of each actor (several workers on one machine).
     On Linux the actors preload a fast BLAS when this machine has one (`cluster.facts.fast_blas`): the
-    variable must be set before the process starts, so it travels in the actor's runtime_env.
+    variable must be set before the process starts, so it travels in the actor's runtime_env. `placement`: a
+    placement group of n bundles (a worker group, cluster.groups): actor i takes bundle i.
     """
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    remote = ray.remote(cls).options(
-        resources={RESOURCE: 1}, num_cpus=0, max_restarts=max_restarts, max_task_retries=0, runtime_env=worker_env(threads)
-    )
-    return [remote.remote(*args, **(per_worker[i] if per_worker else {})) for i in range(n)]
+    actor = ray.remote(cls)
+    options = dict(resources={RESOURCE: 1}, num_cpus=0, max_restarts=max_restarts, max_task_retries=0, runtime_env=worker_env(threads))
+    on = [{} if placement is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i)} for i in range(n)]
+    return [actor.options(**options, **on[i]).remote(*args, **(per_worker[i] if per_worker else {})) for i in range(n)]
 
 
 def node_facts() -> list[dict]:

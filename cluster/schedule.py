@@ -223,14 +223,19 @@ def dispatch(
                 continue
         f.fill(depth, backups=not feeding)
         if not f.refs and not pool.reviving:
-            raise WorkersLost("every worker is lost")
-        timeout = (POLL if feeding else None) if f.refs else revive_timeout
-        ready, _ = ray.wait(list(f.refs) + list(pool.reviving), num_returns=1, timeout=timeout)
+            raise WorkersLost(pool.gone())
+        timeout = _soonest((POLL if feeding else None) if f.refs else revive_timeout, pool.due())
+        watched = pool.watched()  # a group's other ranks: first, so a rank's death is seen before rank 0's error
+        ready, _ = ray.wait(list(watched) + list(f.refs) + list(pool.reviving), num_returns=1, timeout=timeout)
         if not ready:
             if f.refs:
-                continue  # only polling the feed
+                pool.expire()  # a group past its deadline is killed: its chunks come back as lost
+                continue  # else only polling the feed
             raise WorkersLost(f"every worker is lost and none came back within {revive_timeout:.0f} s")
         ref = ready[0]
+        if ref in watched:
+            pool.settle(ref)
+            continue
         if ref in pool.reviving:
             pool.back(ref)
             continue
@@ -240,11 +245,22 @@ def dispatch(
         except RayActorError:
             f.lost(w, c)
             continue
+        except Exception as e:  # a group's rank 0 whose ring broke (a peer died) lost its group; any other error stands
+            if not pool.broken(w, e):
+                raise
+            f.lost(w, c)
+            continue
         if f.finished(w, c):
             left -= 1
             on_result(w, c, value)
-    for ref in f.refs:  # backups still running: their results are no longer needed
-        ray.cancel(ref)
+    for ref in f.refs:  # backups still running: their results are no longer needed (a group's just finish)
+        pool.drop(ref)
+
+
+def _soonest(*timeouts: float | None) -> float | None:
+    """The smallest of the timeouts that are set; None (wait forever) when none is."""
+    set_ = [t for t in timeouts if t is not None]
+    return min(set_) if set_ else None
 
 
 class Feed:

@@ -356,7 +356,9 @@ def test_sigterm_stops_a_run_like_ctrl_c(llama_path, tasks_dir, tmp_path, comman
 
 
 @pytest.mark.parametrize("bad, said", [("dashboard=flase", "not a boolean"), ("threads=x", "not a whole number"),
-                                       ("max_restarts=-1", "too small")])  # fmt: skip
+                                       ("max_restarts=-1", "too small"), ("group_size=0", "group_size=0: too small"),
+                                       ("group_size=two", "not a whole number"),
+                                       ("split=ring", "split=ring: unknown value")])  # fmt: skip
 def test_mlx_rays_own_model_args_are_checked_before_ray_starts(stories_path, bad, said):
     # simple_evaluate(model="mlx-ray", model_args=...): a typo in a Ray-only key is one line, never a silent default
     import driver  # noqa: F401  registers the models
@@ -366,3 +368,141 @@ def test_mlx_rays_own_model_args_are_checked_before_ray_starts(stories_path, bad
 
     with pytest.raises(SettingError, match=said):
         get_model("mlx-ray").create_from_arg_string(f"pretrained={stories_path},{bad}", {})
+
+
+def test_a_split_the_model_cannot_take_is_a_value_error_before_ray_starts(stories_path):
+    # simple_evaluate(model="mlx-ray", model_args="...,group_size=3,split=tensor"): the stories model's 8 heads
+    import driver  # noqa: F401  registers the models
+    import ray
+    from lm_eval.api.registry import get_model
+
+    args = f"pretrained={stories_path},workers=1,address=local,group_size=3,split=tensor"
+    with pytest.raises(ValueError, match="the model's 8 attention heads do not divide by group size 3"):
+        get_model("mlx-ray").create_from_arg_string(args, {})
+    with pytest.raises(ValueError, match="group size 6 is larger than the model's 5 layers"):
+        get_model("mlx-ray").create_from_arg_string(args.replace("3,split=tensor", "6,split=pipeline"), {})
+    assert not ray.is_initialized()
+
+
+def test_group_size_auto_is_the_fewest_nodes_whose_memory_holds_the_weights():
+    from driver.checks.groups import share_fits, smallest_size, too_large
+
+    assert [smallest_size(need, 64.0) for need in (0.001, 64.0, 64.1, 140.0, 400.0)] == [1, 1, 2, 3, 7]
+    assert share_fits(140.0, 3, 48.0) and not share_fits(140.0, 2, 48.0)
+    line = too_large(140.0, 48.0, 2, "the cluster's smallest node")
+    assert "the model's weights (140.0 GB) do not fit in the 48.0 GB the cluster's smallest node has for models" in line and "holding a share of 1/2 (70.0 GB)" in line
+    assert "pass --group-size 3 (or auto)" in line and "\n" not in line
+
+
+def test_the_flags_reach_the_executor_as_a_grouping(stories_path):
+    # what `driver run --group-size 2 --split tensor` hands mlx-ray, resolved on the head (no auto left)
+    from worker.spec import Grouping, ModelSpec
+
+    from driver.lm.mlx_ray import model_grouping
+
+    spec = ModelSpec(model=str(stories_path))
+    assert model_grouping(spec, 2, "tensor", "local") == Grouping(size=2, split="tensor")
+    assert model_grouping(spec, 2, "auto", "local") == Grouping(size=2, split="pipeline")
+    assert model_grouping(spec, "auto", "auto", "local") == Grouping(size=1, split="pipeline")
+    assert model_grouping(spec, 1, "auto", None) == Grouping()
+
+
+def _story_run(tmp_path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    """`driver run` on the stories model and its three tasks (8 documents each) on the embedded Ray, samples
+    logged: (the process, {task: {doc_id: filtered responses}}, the run summary)."""
+    import json
+
+    from testbed.stories import MODEL, TASKS, write_story_tasks
+
+    tasks = write_story_tasks(tmp_path / "tasks")
+    proc = driver(tmp_path, "run", "--model", MODEL, "--tasks", ",".join(TASKS), "--include-path", tasks, "--address", "local",
+                  "--workers", "1", "--threads", "1", "--batch-size", "8", "--limit", "8", "--log-samples",
+                  "--output-path", tmp_path / name, *extra)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = {t: {} for t in TASKS}
+    for path in (tmp_path / name).rglob("samples_*.jsonl"):
+        task = next(t for t in TASKS if path.name.startswith(f"samples_{t}_"))
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            samples[task][row["doc_id"]] = row["filtered_resps"]
+    summary = json.loads(next((tmp_path / name).rglob("summary_*.json")).read_text())
+    return proc, samples, summary
+
+
+def _close(a, b, tol: float) -> bool:
+    """Responses equal: text exactly, numbers (lm-eval logs them as text) within `tol`, lists element by element."""
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    try:
+        return abs(float(a) - float(b)) <= tol
+    except (TypeError, ValueError):
+        return a == b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split, tol", [("auto", 1e-5), ("tensor", 1e-4)])
+def test_a_group_of_two_on_the_local_cluster_equals_the_unsplit_run(tmp_path, split, tol):
+    """`driver run --address local --workers 1 --group-size 2`: one group of two local processes (a ring over
+    127.0.0.1) holding the stories model split (auto: pipeline, layers 0-2 | 3-4; tensor: 4 heads each) gives the
+    unsplit run's numbers: every log-likelihood, rolling perplexity term and greedy generation."""
+    _, plain, _ = _story_run(tmp_path, "plain")
+    proc, grouped, summary = _story_run(tmp_path, "grouped", "--group-size", "2", "--split", split)
+    ranks = summary["worker_facts"][0]["ranks"]
+    assert summary["workers"] == 1 and [r["rank_in_group"] for r in ranks] == [0, 1]  # the group really formed
+    if split == "auto":
+        assert [tuple(r["layers"]) for r in ranks] == [(0, 3), (3, 5)]
+        assert "--split auto: pipeline (contiguous layers per node" in proc.stderr
+    assert all(r["peak_memory_gb"] > 0 for r in ranks)
+    assert {t: sorted(s) for t, s in grouped.items()} == {t: sorted(s) for t, s in plain.items()}
+    different = [(t, d) for t in plain for d in plain[t] if not _close(plain[t][d], grouped[t][d], tol)]
+    assert not different, [(t, d, plain[t][d], grouped[t][d]) for t, d in different[:3]]
+
+
+@pytest.mark.slow
+def test_vectors_from_a_group_of_two_equal_the_unsplit_ones(tmp_path):
+    """`driver vectors --group-size 2` (pipeline: layers 0-2 on rank 0, 3-4 on rank 1): every layer's vector,
+    gathered from the rank that owns it, equals the unsplit worker's. (A cache each: a grouping shares its cache.)"""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from testbed.stories import MODEL
+
+    pairs = tmp_path / "pairs.jsonl"
+    lines = [("Lily was happy and smiled", "Lily was sad and cried"), ("The dog was glad to play", "The dog was upset to stay")]
+    pairs.write_text("".join(json.dumps({"positive": p, "negative": n}) + "\n" for p, n in lines))
+    found = {}
+    for name, extra in (("plain", []), ("grouped", ["--group-size", "2"])):
+        proc = driver(tmp_path, "vectors", "--model", MODEL, "--pairs", pairs, "--out", tmp_path / f"{name}.safetensors",
+                      "--address", "local", "--workers", "1", "--threads", "1", "--cache", tmp_path / name, *extra)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("on 1 group of 2 on 1 node" if extra else "on 1 worker on 1 node") in proc.stdout, proc.stdout
+        found[name] = load_file(str(tmp_path / f"{name}.safetensors"))
+    assert sorted(found["plain"]) == sorted(found["grouped"]) and len(found["plain"]) == 5
+    for key, vector in found["plain"].items():
+        assert np.abs(vector - found["grouped"][key]).max() <= 1e-5, key
+
+
+def test_a_model_too_large_for_a_node_names_the_group_size_that_would_fit(ray_cluster, llama_path):
+    """The lone worker's "does not fit" refusal (cluster.actor.check_fits) names --group-size K: a node with 1 KB
+    for models needs ceil(weights / 1 KB) of its kind to hold the tiny llama."""
+    import math
+
+    from cluster import WorkerActor
+    from worker.load import weights_bytes
+
+    from driver.lm.mlx_ray import MLXRayLM
+
+    class TinyNode(WorkerActor):
+        def memory_for_models(self) -> tuple[float, str]:
+            return 1 / 2**20, "system memory"
+
+    lm = type("TinyRayLM", (MLXRayLM,), {"actor_cls": TinyNode})(pretrained=str(llama_path), workers=1)
+    try:
+        with pytest.raises(ValueError) as e:
+            lm.executor.wait_ready()
+    finally:
+        lm.executor.close()
+    k = math.ceil(weights_bytes(llama_path) / 2**10)
+    assert k > 1 and f"pass --group-size {k} (or auto) to split it across that many nodes" in str(e.value), str(e.value)

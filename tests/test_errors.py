@@ -284,13 +284,13 @@ def _config_says(**changes) -> Setup:
 _HELD: list[int] = []  # output-folder locks this test process holds, as a running sweep would
 
 
-def _sweep(w: World, case: Path, tasks: str = "", alphas: str = "[2.0]", prompt_set: str = "") -> list[str]:
+def _sweep(w: World, case: Path, tasks: str = "", alphas: str = "[2.0]", prompt_set: str = "", model: str = "") -> list[str]:
     """A sweep file over the test model with one vector, a one-line prompt set and `tasks`; returns its path."""
     import numpy as np
 
     np.save(case / "v.npy", np.ones(64, dtype=np.float32))
     _file(case / "prompts.jsonl", json.dumps({"prompt": "The dog was", "targets": {"positive": " happy", "negative": " sad"}}) + "\n")
-    text = (f"model: {{pretrained: {w.model}, max_length: 64}}\nvectors:\n  v: {{layers: {{0: v.npy}}}}\n"
+    text = (f"model: {{pretrained: {w.model}, max_length: 64{model}}}\nvectors:\n  v: {{layers: {{0: v.npy}}}}\n"
             f"grid: {{layers: [0], alphas: {alphas}}}\nprompts:\n  - {{file: prompts.jsonl, max_gen_toks: 4{prompt_set}}}\n{tasks}")  # fmt: skip
     return [str(_file(case / "sweep.yaml", text))]
 
@@ -374,13 +374,38 @@ MODEL_ROWS: list[Case] = [  # model files, tokenizer, tasks, run flags, demo
     Case("demo dir is a file", "demo", ["--dir", "{case}/f"], 2, "Invalid value for '--dir': Directory", setup=_a_file,
          common=False),
 ]  # fmt: skip
+GROUP_ROWS: list[Case] = [  # worker groups (issue 17): --group-size, --split, model_args, the sweep file's model block
+    Case("group-size 0", "run", ["--group-size", "0"], 2, "--group-size 0: too small: give an integer >= 1"),
+    Case("group-size words", "run", ["--group-size", "two"], 2, "--group-size two: not a whole number"),
+    Case("split unknown", "run", ["--split", "diagonal"], 2, "--split diagonal: unknown value (choose one of auto, pipeline, tensor)"),
+    Case("model-args group_size", "run", ["--model-args", "group_size=2"], 2, "--model-args group_size=2: set it with --group-size"),
+    Case("pipeline more ranks than layers", "run", ["--group-size", "3", "--split", "pipeline"], 2,
+         "group size 3 is larger than the model's 2 layers: a pipeline needs a layer per rank: use a group size of at most 2"),
+    Case("tensor heads not divisible", "run", ["--group-size", "3", "--split", "tensor"], 2,
+         "the model's 4 attention heads do not divide by group size 3: use a group size that divides 4, or --split pipeline"),
+    Case("groups beyond this machine", "run", ["--workers", "500", "--group-size", "2", "--address", "local"], 1,
+         "--workers 500 --group-size 2 (1000 worker processes) with Ray on this machine (--address local): it has"),
+    Case("vectors pipeline beyond layers", "vectors", [*VEC, "--group-size", "3", "--split", "pipeline"], 2,
+         "group size 3 is larger than the model's 2 layers", common=False, setup=_pairs),
+    Case("vectors model-args split", "vectors", [*VEC, "--model-args", "split=tensor"], 2,
+         "--model-args split=tensor: set it with --split", common=False),
+    Case("sweep model group_size 0", "sweep", SWEEP, 1, "model.group_size: too small: give an integer >= 1", common=False,
+         setup=lambda w, case: _sweep(w, case, model=", group_size: 0")),
+    Case("sweep model split unknown", "sweep", SWEEP, 1, "model.split: unknown value (choose one of auto, pipeline, tensor), not 'ring'",
+         common=False, setup=lambda w, case: _sweep(w, case, model=", split: ring")),
+    Case("sweep pipeline beyond layers", "sweep", SWEEP, 2, "group size 4 is larger than the model's 2 layers", common=False,
+         setup=lambda w, case: _sweep(w, case, model=", group_size: 4")),
+    Case("sweep flag tensor heads", "sweep", [*SWEEP, "--group-size", "3", "--split", "tensor"], 2,
+         "the model's 4 attention heads do not divide by group size 3", common=False, setup=_sweep),
+    Case("demo group-size 0", "demo", ["--group-size", "0", "--dir", "{case}/out"], 2, "--group-size 0: too small", common=False),
+]  # fmt: skip
 CLUSTER_ROWS: list[Case] = [  # workers on this machine, staging, cluster commands
     Case("workers 1000 local", "run", ["--workers", "1000", "--address", "local"], 1,
          "--workers 1000 with Ray on this machine (--address local): "),
     Case("vectors workers 1000 local", "vectors", [*VEC[:4], "--workers", "1000", "--address", "local"], 1,
          "--workers 1000 with Ray on this machine (--address local): ", common=False, setup=_pairs),
 ]  # fmt: skip
-ROWS = SETTINGS + PREFLIGHT + STEERING_ROWS + SWEEP_ROWS + MODEL_ROWS + CLUSTER_ROWS
+ROWS = SETTINGS + PREFLIGHT + STEERING_ROWS + SWEEP_ROWS + MODEL_ROWS + GROUP_ROWS + CLUSTER_ROWS
 
 
 def _argv(case: Case, w: World, folder: Path) -> list[str]:
@@ -638,6 +663,24 @@ def test_a_hub_model_missing_on_a_worker_node_names_that_node(cluster: Cluster, 
     assert re.search(r"worker w\d on \S+ \(127\.0\.0\.1, node [0-9a-f]{8}\) cannot load", line), line
     assert "download it there" in line
     assert not out.exists()
+
+
+def test_groups_the_cluster_cannot_hold_are_one_line_before_loading(cluster: Cluster, world: World):
+    """N groups of K need N*K `mlx` nodes, and a group K distinct ones: the two-node cluster refuses 2 groups of 2
+    and a group of 3 (the stories model: 5 layers, so a 3-stage pipeline is otherwise fine) in one line."""
+    from testbed.stories import MODEL
+
+    env = {**cluster.env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(cluster.token_file)}
+    folder = world.tmp / "groups-cluster"
+    _pairs(world, folder)
+    out = folder / "v.safetensors"
+    cases = [(world.model, ["--workers", "2", "--group-size", "2"], "--workers 2 --group-size 2 needs 4 `mlx` nodes but the cluster has 2"),
+             (MODEL, ["--workers", "1", "--group-size", "3"], "--group-size 3 needs 3 `mlx` nodes but the cluster has 2")]  # fmt: skip
+    for model, args, message in cases:
+        proc = _timed("cluster", f"groups {' '.join(args[1::2])}", "vectors", "--model", model, "--pairs", folder / "pairs.jsonl",
+                      "--out", out, "--address", cluster.address, *args, env=env, cwd=world.tmp)  # fmt: skip
+        assert_one_line_error(proc, 1, message)
+        assert not out.exists()
 
 
 def _worker_pids(root: Path) -> list[int]:

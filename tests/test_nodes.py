@@ -125,6 +125,38 @@ def test_nodes_json_lists_every_node_with_the_token(up: Up):
     assert not [w for w in report["warnings"] if "disagree" in w]
 
 
+def test_nodes_shows_the_worker_groups_a_run_would_form(up: Up):
+    """`--workers N --group-size K`: N groups of K distinct nodes (every node in at most one group), or one line
+    naming how many nodes there are when they do not fit."""
+    env = _env(up.home, **up.auth)
+    proc = driver("nodes", "--address", up.address, "--group-size", "2", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    groups, ids = report["groups"], [r["node_id"] for r in report["nodes"]]
+    assert len(groups) == NODES // 2 and all(len(g) == 2 and len(set(g)) == 2 and set(g) <= set(ids) for g in groups)
+    proc = driver("nodes", "--address", up.address, "--workers", "1", "--group-size", str(NODES), env=env)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines[NODES] == f"1 group of {NODES} (one node per rank; Ray picks which):", proc.stdout
+    assert re.fullmatch(r"  group 0: " + ", ".join(rf"rank {r} \S+ \([0-9a-f]{{12}}\)" for r in range(NODES)), lines[NODES + 1])
+    assert len(set(re.findall(r"\(([0-9a-f]{12})\)", lines[NODES + 1]))) == NODES  # distinct nodes
+    one_line_error(driver("nodes", "--address", up.address, "--group-size", str(NODES + 1), env=env),
+                   f"--group-size {NODES + 1} needs {NODES + 1} `mlx` nodes but the cluster has {NODES}")  # fmt: skip
+    one_line_error(driver("nodes", "--address", up.address, "--workers", "2", "--group-size", "2", env=env),
+                   f"--workers 2 --group-size 2 needs 4 `mlx` nodes but the cluster has {NODES}")  # fmt: skip
+
+
+def test_group_size_auto_asks_the_clusters_nodes_before_any_model_loads(up: Up, stories_path: Path, tmp_path: Path):
+    """--group-size auto on a cluster: its nodes' memory for models (no model loaded) against the weights; the
+    1 MB stories model fits one node, said once the run starts, and the vectors come out."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"positive": "Lily was happy", "negative": "Lily was sad"}) + "\n")
+    proc = driver("vectors", "--model", str(stories_path), "--pairs", str(pairs), "--out", str(tmp_path / "v.safetensors"),
+                  "--address", up.address, "--workers", "1", "--group-size", "auto", env=_env(up.home, **up.auth))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--group-size auto: 1 (the fewest nodes whose memory for models holds the model's weights)" in proc.stderr
+    assert (tmp_path / "v.safetensors").is_file()
+
+
 def test_nodes_without_the_token_or_with_a_wrong_one_names_the_token_file_up_wrote(up: Up):
     """Not ~/.ray/auth_token (which any embedded `ray.init` leaves behind): the file `cluster up` wrote."""
     ours = up.auth["RAY_AUTH_TOKEN_PATH"]
@@ -315,6 +347,11 @@ def test_the_local_worker_limit_counts_cores_and_copies_of_the_weights():
     line = local_problem(6, cores=8, available=room, weights=gb)
     assert "6 copies of the model (1.0 GB of weights each)" in line and "pass --workers 5 or fewer" in line
     assert "free memory" in local_problem(1, cores=8, available=RAY_OVERHEAD, weights=gb)
+    # groups: N groups of K are N*K processes, each holding 1/K of the weights
+    assert local_problem(2, cores=8, available=room, weights=2 * gb, size=2) is None  # 4 processes of 1 GB each
+    assert "pass --workers 2 or fewer" in local_problem(3, cores=8, available=room, weights=2 * gb, size=2)
+    line = local_problem(3, cores=2, available=64 * gb, weights=gb, size=3)
+    assert line.startswith("--workers 3 --group-size 3 (9 worker processes) with Ray on this machine") and "pass --workers 2 or fewer" in line
 
 
 def test_simple_evaluate_refuses_more_local_workers_than_this_machine_holds_before_ray_starts(stories_path: Path, tmp_path: Path):

@@ -435,3 +435,78 @@ def test_generation_requests_sharing_a_prefix_are_cut_as_one_family():
     assert any(set(range(5)) <= set(c) for c in chunks)
     _, off = request_costs("generate", few_shot + loose, 2048, False)
     assert sorted(map(sorted, off)) == [[i] for i in range(8)]
+
+
+# --- worker groups (cluster.groups.GroupPool) on the simulated cluster --------------------------------------------
+# A group is K simulated ranks that run every chunk in lockstep (same speed); the scheduler sees one worker whose
+# result is rank 0's; the other ranks' refs are watched. Killing a group fails every rank's pending refs at once.
+
+
+class SimRank:
+    def __init__(self, worker, costs):
+        self.worker, self.costs = worker, costs
+        self.run = self
+
+    def remote(self, c):
+        return self.worker.submit(c, self.costs[c])
+
+    def kill(self):
+        sim = self.worker.sim
+        self.worker.dies_at = min(self.worker.dies_at, sim.now)
+        for ref in self.worker.pending:
+            if ref.at > sim.now and ref.error is None:
+                ref.at, ref.error, ref.value = sim.now, RayActorError(self.worker.name), None
+
+
+@pytest.fixture
+def group_sim(sim, monkeypatch):
+    import sys
+    import types
+
+    import cluster.groups.pool
+
+    sys.modules["ray"].kill = lambda actor, no_restart=True: actor.kill()
+
+    def sleep(s):
+        sim.now += s
+
+    monkeypatch.setattr(cluster.groups.pool, "time", types.SimpleNamespace(monotonic=lambda: sim.now, sleep=sleep))
+    return sim
+
+
+def run_groups(sim, speeds, costs, deaths=None, deadline=600.0):
+    """Groups of ranks (speeds[g] per rank; deaths[(g, r)] = when that rank dies); (pool, results, groups)."""
+    from cluster.groups import GroupHandle, GroupPool
+    from cluster.schedule import dispatch
+
+    deaths = deaths or {}
+    groups = [
+        GroupHandle([SimRank(SimWorker(sim, f"g{g}r{r}", s, dies_at=deaths.get((g, r), math.inf)), costs) for r in range(k)], g)
+        for g, (s, k) in enumerate(speeds)
+    ]
+    pool = GroupPool(groups, deadline=deadline)
+    got: list = []
+    dispatch(costs, pool, lambda group, c: group.run.remote(c), lambda w, c, value: got.append((w, c, value)))
+    return pool, got, groups
+
+
+def test_a_groups_rank_dying_loses_the_whole_group_and_its_chunks_come_back(group_sim):
+    pool, got, groups = run_groups(group_sim, [(1.0, 2), (1.0, 2)], [1.0] * 12, deaths={(1, 1): 2.5})
+    assert sorted(c for _, c, _ in got) == list(range(12))  # every chunk once
+    assert pool.alive == {0} and pool.reasons == ["group g1 lost: its ring broke"]
+    assert all(r.worker.dies_at < math.inf for r in groups[1].ranks)  # rank 0 of the lost group killed with it
+    # rank 0 (alive in this simulation) delivers until the group is killed, 2 s after the death is seen (the time
+    # given to Ray to name the dead rank); what it delivered is kept, nothing is delivered twice
+    assert [c for w, c, _ in got if w == 1] == [1, 3, 5, 7] and groups[1].ranks[0].worker.dies_at == pytest.approx(4.6)
+    assert not group_sim.cancelled
+
+
+def test_a_hung_group_is_lost_at_its_deadline_and_backups_on_groups_are_never_cancelled(group_sim):
+    pool, got, groups = run_groups(group_sim, [(1.0, 2), (1000.0, 2)], [1.0] * 10, deadline=30.0)
+    assert sorted(c for _, c, _ in got) == list(range(10)) and all(w == 0 for w, _, _ in got)
+    assert pool.alive == {0, 1}  # backups finished the slow group's chunks before its deadline: it is not lost
+    assert not group_sim.cancelled  # a group's copy just finishes: cancelling one rank's task would desync the ring
+    from cluster.schedule import WorkersLost
+
+    with pytest.raises(WorkersLost, match=r"^every worker group is lost \(group g0 lost: no rank answered within its 30 s deadline"):
+        run_groups(group_sim, [(1000.0, 2)], [1.0] * 3, deadline=30.0)

@@ -95,6 +95,25 @@ def test_one_and_three_workers_give_the_same_table(runs):
     assert json.loads((runs[3] / "run.json").read_text())["workers"] == 3
 
 
+def test_a_sweep_on_two_groups_of_two_gives_the_same_table(runs, study, tmp_path):
+    """The sweep file's model block asks for groups of 2 (pipeline): on the 4-node cluster, 2 groups, each holding the
+    model split over 2 nodes; every number and generation equals the unsplit single worker's."""
+    grouped = study.parent / "grouped.yaml"
+    text = study.read_text().replace("max_batch_tokens: 128}", "max_batch_tokens: 128, group_size: 2, split: pipeline}")
+    assert text != study.read_text()
+    grouped.write_text(text)
+    code, output = sweep_cli(grouped, "--workers", 2, "--output", tmp_path)
+    assert code == 0, output
+    one, two = (report.read_csv(folder / "results.csv") for folder in (runs[1], tmp_path))
+    assert [(r["config"], r["task"], r["metric"]) for r in one] == [(r["config"], r["task"], r["metric"]) for r in two]
+    for a, b in zip(one, two):
+        assert abs(a["value"] - b["value"]) <= 1e-5 * max(1.0, abs(b["value"])), (a, b)
+    gens = [[json.loads(line)["text"] for line in open(folder / "generations.jsonl")] for folder in (runs[1], tmp_path)]
+    assert gens[0] == gens[1]
+    facts = json.loads((tmp_path / "run.json").read_text())
+    assert facts["workers"] == 2 and facts["nodes"] == 4, facts  # 2 groups over 4 distinct nodes
+
+
 def test_outputs_have_one_row_per_configuration_and_metric_and_valid_plots(runs, study):
     import matplotlib.image
 
@@ -246,6 +265,8 @@ def test_an_interrupted_sweep_resumes_and_a_grown_grid_computes_only_new_cells(r
         ("prompts", "prompts.jsonl: line 2: not valid JSON"),
         (("max_gen_toks: 6", "max_gen_toks: 64"), "prompts[0].max_gen_toks: 64 must be less than the context window (64)"),
         (("max_gen_toks: 6", "max_gen_toks: 6, target_score: avg"), "prompts[0].target_score: 'avg' is not allowed (use 'sum' or 'mean')"),
+        (("batch_size: 4,", "batch_size: 4, group_size: 0,"), "model.group_size: too small: give an integer >= 1"),
+        (("batch_size: 4,", "batch_size: 4, split: ring,"), "model.split: unknown value (choose one of auto, pipeline, tensor), not 'ring'"),
     ],
 )
 def test_bad_sweep_files_are_refused_in_one_line_before_any_worker(llama_path, tasks_dir, tmp_path, change, message):

@@ -14,6 +14,7 @@ import numpy as np
 
 from .hooks import HookContext, Rows
 from .spec import Batching
+from .split.pipeline import shared_rows
 
 
 class _Gather:
@@ -70,10 +71,12 @@ def _forward(lm, rows: list[tuple[int, ...]], wanted: list[list[tuple[int, int]]
             index.append(i)
             flat.append(b * width + at)
     for g in gathers:
-        g.at = mx.array(flat)
+        g.at, g.out = mx.array(flat), None
     with lm.hooks.forward(Rows(offset=0, ends=mx.array([len(rows[r]) for r in batch]))):
         # Only the gathered rows are evaluated: MLX never computes blocks past the deepest point, nor the head.
-        lm.head.body(mx.array(padded))
+        h = lm.head.body(mx.array(padded))
+    if lm.grouping is not None and lm.grouping.split == "pipeline":  # each point is read on the rank owning it
+        return index, shared_rows(lm.group, [g.out for g in gathers], h, len(flat))
     return index, mx.stack([g.out for g in gathers], axis=1)
 
 

@@ -97,6 +97,10 @@ class HookManager:
         self._runs: dict[str, int] = {}
         self.missing: dict[str, str] = {}  # hook point kind -> why this model's blocks lack it
         self.block_inputs: dict[int, mx.array] = {}  # per layer, while a hooked block runs: its (edited) input
+        # The layers whose blocks this process runs (a pipeline rank: its share). Hooks of other layers are kept
+        # (so every rank of a group agrees on what is installed) but never run here, so only these can be idle.
+        self.owned = range(n_layers)
+        self.group: Any = None  # the mx.distributed ring of a split model: idle hooks are counted across it
 
     def check_name(self, name: str) -> None:
         point, _, layer = name.rpartition(".")
@@ -158,12 +162,17 @@ class HookManager:
         finally:
             for name, fn in added:
                 self.remove(name, fn)
-        idle = [name for name, n in runs.items() if self._runs.get(name, 0) == n]
+        idle = [name for name, n in runs.items() if self._runs.get(name, 0) == n and self.owns(name)]
+        if self.group is not None and runs and self._forwards > forwards:  # the same on every rank: lockstep
+            idle = _idle_anywhere(self.group, list(runs), idle)
         if idle and self._forwards > forwards:
             raise HookError(
                 f"hook {idle[0]} never ran although the {self.arch} model ran forward: its forward calls the "
                 "decoder blocks' parts directly (or skips that block), so steering and capture cannot work on it"
             )
+
+    def owns(self, name: str) -> bool:
+        return int(name.rpartition(".")[2]) in self.owned
 
     def run(self, name: str, x: mx.array, layer: int) -> mx.array:
         fns = self._hooks.get(name)
@@ -179,6 +188,12 @@ class HookManager:
         for fn in fns:
             x = fn(x, ctx)
         return x
+
+
+def _idle_anywhere(group: Any, names: list[str], idle: list[str]) -> list[str]:
+    """The hooks idle on the rank that owns them, known to every rank of a group (one small all_sum)."""
+    flags = mx.distributed.all_sum(mx.array([float(name in idle) for name in names]), group=group)
+    return [name for name, flag in zip(names, flags.tolist()) if flag > 0]
 
 
 _HOOKED: dict[type, type] = {}

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .hooks import HookManager, instrument
 from .identity import folder_identity
 from .spec import ModelSpec
+from .split.plan import LAYER_KEYS, config_int  # config reading, shared with the split's pre-flight check
 from .staged import StageError
 from .staged import resolve as staged_folder
 
@@ -63,18 +64,7 @@ def safetensors_header(path: Path) -> dict:
     return tensors
 
 
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
-
-
-def config_int(config: dict, keys: tuple[str, ...]) -> int | None:
-    """The first positive integer under one of `keys`, in the config or its `text_config` (multimodal models)."""
-    for source in (config, config.get("text_config") or {}):
-        for key in keys:
-            value = source.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
 
 
 def check_weights(folder: Path, config: dict) -> dict[str, str]:
@@ -183,6 +173,13 @@ class LoadedModel:
     path: Path
     max_length: int
     head: Head = field(repr=False)  # hidden states -> logits at chosen rows
+    group: Any = None  # the mx.distributed ring holding the model split (worker groups); None: the whole model here
+    grouping: Any = None  # its worker.spec.Grouping (size, split); None unsplit
+    layers: tuple[int, int] | None = None  # the global [start, end) of the blocks this process runs; all unsplit
+
+    def __post_init__(self) -> None:
+        if self.layers is None:
+            self.layers = (0, self.hooks.n_layers)
 
     @property
     def n_layers(self) -> int:
@@ -302,10 +299,12 @@ def fingerprint(path: Path) -> str:
     return folder_identity(Path(path))
 
 
-def load(spec: ModelSpec | str, **settings: Any) -> LoadedModel:
+def load(spec: ModelSpec | str, *, group: Any = None, grouping: Any = None, **settings: Any) -> LoadedModel:
     """Load model + tokenizer with mlx-lm, optionally cast, then wrap its decoder blocks with hooks.
 
-    `load("path", max_length=64)` is short for `load(ModelSpec(model="path", max_length=64))`.
+    `load("path", max_length=64)` is short for `load(ModelSpec(model="path", max_length=64))`. With `group` (an
+    mx.distributed ring of more than one rank) and `grouping` (worker.spec.Grouping) this rank loads only its
+    share of the model (worker.split.share).
     """
     if isinstance(spec, str):
         spec = ModelSpec(model=spec, **settings)
@@ -313,19 +312,11 @@ def load(spec: ModelSpec | str, **settings: Any) -> LoadedModel:
     if dtype is not None and dtype not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
     path = resolve(spec.model, spec.revision, adapter_path)
+    if group is not None and group.size() > 1:
+        return _load_share(spec, path, group, grouping)
     import mlx.core as mx
-    from mlx_lm.utils import load as mlx_load
 
-    try:
-        model, tokenizer, config = mlx_load(
-            str(path),
-            adapter_path=str(Path(adapter_path).expanduser()) if adapter_path else None,
-            return_config=True,
-            trust_remote_code=spec.trust_remote_code,
-        )
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"mlx-lm could not load {path}: {first}") from None
+    model, tokenizer, config = mlx_load(path, spec)
     if dtype is not None and "quantization" not in config:
         model.set_dtype(getattr(mx, dtype))
     check_finite(model, path, dtype)
@@ -334,14 +325,53 @@ def load(spec: ModelSpec | str, **settings: Any) -> LoadedModel:
     return LoadedModel(model, tokenizer, hooks, config, path, context_window(config, spec.max_length), Head.for_model(model))
 
 
+def _load_share(spec: ModelSpec, path: Path, group: Any, grouping: Any) -> LoadedModel:
+    """This rank's share of the model split over `group` as `grouping` says (worker.split.share)."""
+    import mlx.core as mx
+
+    from .split.share import SplitError, split_share
+
+    model, tokenizer, config = mlx_load(path, spec, lazy=True)
+    try:
+        hooks, grouping, layers = split_share(model, config, spec.dtype, group, grouping)
+    except SplitError as e:
+        raise ModelLoadError(str(e)) from None
+    check_finite(model, path, spec.dtype)
+    model.eval()
+    lm = LoadedModel(model, tokenizer, hooks, config, path, context_window(config, spec.max_length),
+                     Head.for_model(model), group=group, grouping=grouping, layers=layers)  # fmt: skip
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))  # every rank holds its share before any job
+    return lm
+
+
+def mlx_load(path: Path, spec: ModelSpec, lazy: bool = False) -> tuple["nn.Module", "TokenizerWrapper", dict]:
+    """mlx-lm's load of a resolved folder (and the spec's adapter); `lazy`: weights stay unread until evaluated."""
+    from mlx_lm.utils import load as load_model_and_tokenizer
+
+    adapter_path = spec.adapter_path
+    try:
+        return load_model_and_tokenizer(
+            str(path),
+            adapter_path=str(Path(adapter_path).expanduser()) if adapter_path else None,
+            lazy=lazy,
+            return_config=True,
+            trust_remote_code=spec.trust_remote_code,
+        )
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"mlx-lm could not load {path}: {first}") from None
+
+
 def check_finite(model: "nn.Module", path: Path, dtype: str | None = None) -> None:
     """Every weight finite (one reduction per tensor): a NaN/inf weight is named with its file, never a result."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     named = tree_flatten(model.parameters())
-    flags = mx.stack([mx.all(mx.isfinite(w)) for _, w in named]) if named else mx.array([True])
-    mx.eval(flags)
+    finite = [mx.all(mx.isfinite(w)) for _, w in named]
+    for flag in finite:  # one tensor per eval: only its isfinite mask is ever in memory, not the whole model's
+        mx.eval(flag)
+    flags = mx.stack(finite) if finite else mx.array([True])
     if flags.all().item():
         return
     name = named[int(mx.argmin(flags.astype(mx.int32)).item())][0]

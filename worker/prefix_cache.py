@@ -47,6 +47,9 @@ class PrefixStore:
     extended: int = 0
     misses: int = 0
     evicted: int = 0
+    # (all layers, this rank's layers): a pipeline rank counts an entry as the whole model's KV, so every rank
+    # of a group stores and evicts alike and their forwards stay in lockstep
+    share: tuple[int, int] = (1, 1)
 
     def stats(self) -> dict:
         return {"entries": len(self.entries), "bytes": self.nbytes, "peak_bytes": self.peak, "budget": self.budget,
@@ -72,7 +75,7 @@ class PrefixStore:
 
     def put(self, fingerprint: str, tokens: tuple[int, ...], cache: list) -> None:
         key = (fingerprint, tokens)
-        size = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+        size = sum(c.keys.nbytes + c.values.nbytes for c in cache) * self.share[0] // self.share[1]
         if key in self.entries or size > self.budget:
             return
         self.entries[key] = (cache, size)
@@ -88,7 +91,9 @@ def store(lm: Any) -> PrefixStore:
     """The model's store (made on first use)."""
     s = getattr(lm.model, "_orchard_prefix_store", None)
     if s is None:
-        s = lm.model._orchard_prefix_store = PrefixStore()
+        split = getattr(lm, "group", None) is not None  # a pipeline rank holds its layers' share of each entry
+        share = (lm.n_layers, lm.layers[1] - lm.layers[0]) if split else (1, 1)
+        s = lm.model._orchard_prefix_store = PrefixStore(share=share)
     return s
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from driver.checks.errors import BadUsage, Refused
 
 
-def check_workers(workers: str, address: str | None = None, model: str | None = None) -> None:
-    """--workers: a count or all (exit 2); with a model, no more than this machine holds when Ray runs here (exit 1)."""
+def check_workers(workers: str, address: str | None = None, model: str | None = None, group_size: int = 1) -> None:
+    """--workers: a count or all (exit 2); with a model, no more than this machine holds when Ray runs here (exit 1):
+    N groups of `group_size` are N*K worker processes, each holding a 1/K share of the weights."""
     from cluster import ClusterError, parse_workers
     from cluster.limits import check_local
 
@@ -17,7 +18,7 @@ def check_workers(workers: str, address: str | None = None, model: str | None = 
     if model is None:
         return
     try:
-        check_local(n, address, model)
+        check_local(n, address, model, group_size)
     except ClusterError as e:
         raise Refused(str(e)) from None
 

@@ -113,6 +113,21 @@ def threads(value: Any, where: str = "--threads") -> int | None:
     return None if value is None else whole(where, value, 1, "BLAS/OpenMP threads per worker")
 
 
+SPLITS = ("auto", "pipeline", "tensor")
+
+
+def group_size(value: Any, where: str = "--group-size") -> int | str:
+    """Nodes that hold one copy of the model together: a whole number >= 1, or auto (the fewest that hold it)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return whole(where, value, 1, "nodes per copy of the model, or auto")
+
+
+def split(value: Any, where: str = "--split") -> str:
+    """How a group splits its model: pipeline (layer ranges), tensor (mlx-lm's shard), or auto (pipeline)."""
+    return choice(where, str(value).strip().lower() if isinstance(value, str) else value, SPLITS)
+
+
 def limit(value: str | None) -> float | int | None:
     """lm-eval's --limit: a count of documents per task (a whole number >= 1) or a fraction in (0, 1)."""
     if value is None:
@@ -155,8 +170,10 @@ MODEL_ARGS: dict[str, tuple[_Check, str]] = {
     "stage": (boolean, "true | false"),
     "threads": (lambda w, v: whole(w, v, 1, "BLAS/OpenMP threads per worker"), "threads per worker"),
     "max_restarts": (lambda w, v: whole(w, v, 0, "restarts of a crashed worker"), "restarts of a crashed worker"),
+    "group_size": (lambda w, v: group_size(v, w), "nodes per copy of the model, or auto"),
+    "split": (lambda w, v: split(v, w), " | ".join(SPLITS)),
 }
-RAY_ONLY = ("workers", "address", "cache", "dashboard", "threads", "max_restarts", "stage")
+RAY_ONLY = ("workers", "address", "cache", "dashboard", "threads", "max_restarts", "stage", "group_size", "split")
 
 
 def parse_pairs(text_: str | None, flag: str) -> dict[str, str]:

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import click
 
+from driver.checks import settings
 from driver.checks.errors import BadUsage, Refused
 from driver.checks.files import writable_folder
-from driver.cli.run import run
+from driver.cli.errors import usage_errors
+from driver.cli.run import GROUP_HELP, SPLIT_HELP, run
 
 
 @click.command()
@@ -22,16 +24,21 @@ from driver.cli.run import run
     type=click.Path(file_okay=False),
     help="Where the demo's tasks, results and cache go.",
 )
+@click.option("--group-size", "--group_size", "group_size", default="1", show_default=True, help=GROUP_HELP)
+@click.option("--split", default="auto", show_default=True, help=SPLIT_HELP)
 @click.pass_context
-def demo(ctx: click.Context, workers: int, folder: str) -> None:
+def demo(ctx: click.Context, workers: int, folder: str, group_size: str, split: str) -> None:
     """Offline end-to-end run: the shipped TinyStories-260K model on three story tasks, WORKERS local workers.
 
     Writes the tasks (examples/tinystories: pick the coherent continuation, perplexity of short stories, finish
     a sentence) under DIR/tasks, runs `driver run` on the embedded Ray and shows a few of the model's
-    continuations. Needs no network.
+    continuations. Needs no network. `--workers 2 --group-size 2`: two groups, each holding the model split
+    across two local processes (a ring over 127.0.0.1).
     """
     if workers < 1:
         raise BadUsage(f"--workers {workers}: at least 1 worker is needed")
+    with usage_errors():  # before the demo writes its tasks
+        settings.group_size(group_size), settings.split(split)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from testbed.stories import MODEL, TASKS, write_story_tasks
@@ -43,7 +50,8 @@ def demo(ctx: click.Context, workers: int, folder: str) -> None:
     tasks = write_story_tasks(root / "tasks")
     done = ctx.invoke(
         run, model=str(MODEL), tasks=",".join(TASKS), workers=str(workers), address="local", include_path=str(tasks),
-        output_path=str(root / "out"), log_samples=True, batch_size="8", threads=1, steer=None,
+        output_path=str(root / "out"), log_samples=True, batch_size="8", threads=1, steer=None, group_size=group_size,
+        split=split,
     )  # fmt: skip
     click.echo("\nthe model's own words (tinystories_gen, greedy):")
     for sample in done.results["samples"]["tinystories_gen"][:3]:

@@ -11,10 +11,13 @@ from typing import Any
 
 import click
 
+from worker.spec import Grouping
+
 from driver.checks import settings
 from driver.checks.cluster import check_address, check_address_syntax, check_workers
 from driver.checks.fewshot import check_fewshot
 from driver.checks.files import check_cache, writable_folder
+from driver.checks.groups import for_command, tell_chosen
 from driver.checks.model import check_model, check_steering, check_tokenizer, model_config
 from driver.checks.tasks import check_tasks, task_manager
 from driver.cli.errors import resumable, usage_errors
@@ -24,19 +27,23 @@ from driver.lm.evaluation import DATASET_HINT, Plan, evaluate, open_model, parse
 RUN_FLAGS = {
     "pretrained": "--model", "batch_size": "--batch-size", "max_length": "--max-length", "workers": "--workers",
     "address": "--address", "cache": "--cache", "dashboard": "--dashboard", "threads": "--threads", "steer": "--steer",
-    "stage": "--stage",
+    "stage": "--stage", "group_size": "--group-size", "split": "--split",
 }  # fmt: skip
+GROUP_HELP = "Nodes per worker group: each group holds one copy of the model split across its K nodes; auto: the fewest that hold it."
+SPLIT_HELP = "How a group splits the model: pipeline (layer ranges per node), tensor (mlx-lm's shard: Thunderbolt/RDMA), auto (pipeline)."
 
 
 @click.command()
 @click.option("--model", "model", required=True, help="Local model folder or Hugging Face repo id (mlx-lm format).")
 @click.option("--tasks", required=True, help="Comma-separated lm-eval task or group names, e.g. mmlu.")
-@click.option("--workers", default="all", show_default=True, help="Number of workers (one per `mlx` node), or all.")
+@click.option("--workers", default="all", show_default=True, help="Number of workers (groups of --group-size `mlx` nodes), or all.")
 @click.option(
     "--address",
     default=None,
     help="Ray cluster: auto (the one running here), HOST:PORT, or local (embedded). Default: $RAY_ADDRESS, else local.",
 )
+@click.option("--group-size", "--group_size", "group_size", default="1", show_default=True, help=GROUP_HELP)
+@click.option("--split", "split", default="auto", show_default=True, help=SPLIT_HELP)
 @click.option("--num-fewshot", "--num_fewshot", "num_fewshot", type=int, default=None, help="Few-shot examples per question.")
 @click.option("--limit", default=None, help="Documents per task: a count, or a fraction if < 1 (for testing).")
 @click.option("--batch-size", "--batch_size", "batch_size", default="32", show_default=True, help="Rows per forward pass on a worker.")
@@ -72,6 +79,8 @@ def run(
     tasks: str,
     workers: str,
     address: str | None,
+    group_size: str,
+    split: str,
     num_fewshot: int | None,
     limit: str | None,
     batch_size: str,
@@ -107,11 +116,12 @@ def run(
         )
         max_length, threads = settings.max_length(max_length), settings.threads(threads)
         extra = settings.model_args(model_args, flags=RUN_FLAGS)
-    check_workers(workers, address, model)
+        size, split = settings.group_size(group_size), settings.split(split)
+    check_workers(workers, address, model, size if size != "auto" else 1)
     check_address_syntax(address)
-    plan.names = _preflight(
+    plan.names, grouping = _preflight(
         model, extra, output_path=output_path, cache=cache, apply_chat_template=apply_chat_template, tasks=tasks,
-        include_path=include_path, steer=steer, address=address,
+        include_path=include_path, steer=steer, address=address, group=(size, split, workers),
     )  # fmt: skip
     args: dict[str, Any] = {
         **extra,
@@ -121,6 +131,8 @@ def run(
         "cache": cache or str(Path(output_path) / "cache"),
         "dashboard": dashboard,
         "stage": stage,
+        "group_size": grouping.size,
+        "split": grouping.split,
     }
     for name, value in (("address", address), ("max_length", max_length), ("threads", threads), ("steer", steer)):
         if value is not None:
@@ -132,6 +144,7 @@ def run(
         check_fewshot(indexing.result(), plan.names, plan.num_fewshot, DATASET_HINT)
     with resumable(args["cache"]):
         lm = open_model(args)
+        tell_chosen(size, split, grouping)
         try:
             plan.manager = indexing.result()
             done = evaluate(lm, args, plan, output_path)
@@ -156,15 +169,17 @@ def in_background(fn, *args) -> Future:
 
 
 def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: str | None, apply_chat_template: bool,
-               tasks: str, include_path: str | None, steer: str | None, address: str | None) -> list[str]:  # fmt: skip
-    """The checks before lm-eval's task index, Ray or a model, in this order; the task names.
+               tasks: str, include_path: str | None, steer: str | None, address: str | None,
+               group: tuple) -> tuple[list[str], Grouping]:  # fmt: skip
+    """The checks before lm-eval's task index, Ray or a model, in this order; the task names and the worker group.
 
     The output folder (writable, not inside a file), the result cache (a folder that can hold it; an existing
     `results.sqlite` must be an Orchard cache: never overwritten), the model (a local folder with config and
     weights whose safetensors headers fit their files and the config, or a Hub repo id that resolves: offline, it
     must be in the HF cache), its tokenizer (its files parse; the chat template with --apply-chat-template), the
     task names and the YAMLs of --include-path (a malformed YAML is named with its file and line), the steering
-    spec against the model's shape, the cluster address (syntax, reachable, token authentication).
+    spec against the model's shape, the cluster address (syntax, reachable, token authentication), the worker
+    group (`group`: size, split, workers; driver.checks.groups).
     `--num-fewshot` is checked once the tasks' documents load (driver.checks.fewshot), still before Ray."""
     writable_folder(output_path, "--output-path")
     check_cache(cache or Path(output_path) / "cache", "--cache" if cache else "the result cache")
@@ -174,4 +189,4 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
     if steer:
         check_steering(steer, model_config(folder))
     check_address(address)
-    return names
+    return names, for_command(*group, model=model, folder=folder, address=address)

@@ -7,9 +7,14 @@ from pathlib import Path
 
 import click
 
+from worker.spec import Grouping
+
+from driver.checks import settings
 from driver.checks.cluster import check_address, check_workers
 from driver.checks.files import check_cache, writable_folder
-from driver.cli.errors import resumable
+from driver.checks.groups import chosen_lines, for_command
+from driver.cli.errors import resumable, usage_errors
+from driver.cli.run import GROUP_HELP, SPLIT_HELP
 from driver.lm.evaluation import on_workers
 
 
@@ -23,9 +28,12 @@ from driver.lm.evaluation import on_workers
 @click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: OUTPUT/cache.")
 @click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
 @click.option("--stage", is_flag=True, help="Copy the model to every node first (driver stage); workers load that copy.")
+@click.option("--group-size", "--group_size", "group_size", default=None, help=f"{GROUP_HELP} Default: the file's model.group_size, else 1.")
+@click.option("--split", default=None, help=f"{SPLIT_HELP} Default: the file's model.split, else auto.")
 def sweep_command(
-    sweep_file: str, workers: str, address: str | None, output: str | None, cache: str | None, threads: int | None, stage: bool
-) -> None:
+    sweep_file: str, workers: str, address: str | None, output: str | None, cache: str | None, threads: int | None, stage: bool,
+    group_size: str | None, split: str | None,
+) -> None:  # fmt: skip
     """Run a steering sweep: every configuration of SWEEP_FILE's grid (layers × alphas × ...) on its tasks and
     prompt sets, the model loaded once per worker. Writes results.csv/.jsonl, generations.jsonl, summary.md,
     heatmaps and line plots, and lm-eval's JSON per configuration under OUTPUT.
@@ -37,6 +45,8 @@ def sweep_command(
     from driver.sweep import SweepError, load_sweep, outdir, report, run as run_sweep
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with usage_errors():
+        flags = (None if group_size is None else settings.group_size(group_size), None if split is None else settings.split(split))
     check_workers(workers)
     folder = Path(output) if output else Path("orchard-out") / Path(sweep_file).stem
     writable_folder(folder, "--output")
@@ -47,6 +57,7 @@ def sweep_command(
         raise click.ClickException(str(e)) from None
     check_cache(cache or folder / "cache", "--cache" if cache else "the result cache")
     check_address(address)
+    grouping, notes = _grouping(plan, flags, workers, address)
     try:
         held = outdir.lock(folder)  # until this process exits
     except outdir.FolderBusy as e:
@@ -54,7 +65,8 @@ def sweep_command(
     try:
         with resumable(cache or folder / "cache"):
             outcome = run_sweep(
-                plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, stage=stage, echo=click.echo
+                plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, stage=stage,
+                grouping=grouping, notes=notes, echo=click.echo,
             )
             written = report.write_outputs(outcome, folder)
     except ValueError as e:  # a request the model refuses (e.g. a prompt longer than the context window)
@@ -69,3 +81,18 @@ def sweep_command(
     for line in report.problems(outcome.rows, written):
         click.echo(line, err=True)
     click.echo(f"results: {folder} (summary.md, results.csv, {2 * len(written['plots'])} plots)")
+
+
+def _grouping(plan, flags: tuple, workers: str, address: str | None) -> tuple[Grouping, list[str]]:
+    """The worker groups (a flag, else the sweep file's model.group_size / model.split), resolved and checked
+    against the model and this machine before any worker starts (driver.checks.groups); what auto chose."""
+    from driver.lm.model_setup import tokenizer_folder
+
+    model = plan.spec.model
+    size, split = (flag if flag is not None else given for flag, given in zip(flags, (model.group_size, model.split)))
+    pretrained = plan.model_args["pretrained"]
+    folder = tokenizer_folder(pretrained, plan.model_args.get("revision"))
+    found = for_command(size, split, workers, model=pretrained, folder=folder, address=address)
+    if found.size > 1:
+        check_workers(workers, address, pretrained, found.size)
+    return found, chosen_lines(size, split, found)

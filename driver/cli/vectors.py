@@ -11,12 +11,15 @@ from driver.checks import settings
 from driver.checks.cluster import check_address, check_address_syntax, check_workers
 from driver.checks.errors import BadUsage, Refused
 from driver.checks.files import check_cache, writable_file
+from driver.checks.groups import for_command, tell_chosen
 from driver.checks.model import check_model, check_tokenizer, model_config
 from driver.cli.errors import one_line, usage_errors
+from driver.cli.run import GROUP_HELP, SPLIT_HELP
 from driver.lm.evaluation import lost_workers_line, on_workers, open_model
 from worker.spec import SITES
 
-VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads"}
+VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads",
+                 "group_size": "--group-size", "split": "--split"}  # fmt: skip
 
 
 @click.command()
@@ -33,9 +36,11 @@ VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--
 @click.option("--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16.")
 @click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
 @click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: cache/ beside OUT.")
+@click.option("--group-size", "--group_size", "group_size", default="1", show_default=True, help=GROUP_HELP)
+@click.option("--split", default="auto", show_default=True, help=SPLIT_HELP)
 def vectors(
     model: str, pairs: str, layers: str, site: str, method: str, position: str, out: str, workers: str,
-    address: str | None, model_args: str, threads: int | None, cache: str | None,
+    address: str | None, model_args: str, threads: int | None, cache: str | None, group_size: str, split: str,
 ) -> None:  # fmt: skip
     """Extract steering vectors from contrastive PAIRS: one per layer, written to OUT (usable as a spec's `vector`).
 
@@ -52,7 +57,8 @@ def vectors(
     with usage_errors():  # settings (exit 2), then what they name (exit 1), all before a worker starts
         threads = settings.threads(threads)
         args = {**settings.model_args(model_args, flags=VECTORS_FLAGS), "pretrained": model, "workers": workers}
-    check_workers(workers, address, model)
+        size, split = settings.group_size(group_size), settings.split(split)
+    check_workers(workers, address, model, size if size != "auto" else 1)
     check_address_syntax(address)
     try:
         at = vec.parse_position(position)
@@ -79,10 +85,13 @@ def vectors(
     except ValueError as e:
         raise Refused(one_line(str(e))) from None
     check_address(address)
+    grouping = for_command(size, split, workers, model=model, folder=folder, address=address)
+    args |= {"group_size": grouping.size, "split": grouping.split}
     for name, value in (("address", address), ("threads", threads)):
         if value is not None:
             args[name] = value
     lm = open_model(args)
+    tell_chosen(size, split, grouping)
     try:
         capture = lambda requests, points: lm.executor.run(lm.job("capture", points=tuple(points)), requests)  # noqa: E731
         found = vec.extract(capture, encode, read, resolved, site, method, at)

@@ -47,6 +47,7 @@ def _summary(info: dict, seconds: float) -> dict:
         "wall_s": round(seconds, 3),
         "cache": info["cache"],
         "worker_facts": info["facts"],
+        **({"groups": info["groups"]} if "groups" in info else {}),  # worker groups: each rank's node, layers, peak memory
     }
 
 
@@ -56,8 +57,9 @@ def on_workers(facts: dict, ray: bool = False) -> str:
     if not facts["workers"]:
         return "on no workers (every result came from the cache)"
     where = f" (Ray at {facts['address']})" if ray else ""
-    workers, nodes = facts["workers"], facts["nodes"]
-    return f"on {workers} worker{'s' * (workers != 1)} on {nodes} node{'s' * (nodes != 1)}{where}"
+    workers, nodes, groups = facts["workers"], facts["nodes"], facts.get("groups")
+    what = f"group{'s' * (workers != 1)} of {len(groups[0]['ranks'])}" if groups else f"worker{'s' * (workers != 1)}"
+    return f"on {workers} {what} on {nodes} node{'s' * (nodes != 1)}{where}"
 
 
 def _print_summary(summary: dict) -> None:

@@ -9,30 +9,49 @@ model's results, at the first request it lacks (a fully cached rerun starts no w
 
 from __future__ import annotations
 
+import click
 from lm_eval.api.registry import register_model
 
 from cluster import WorkerActor
 from cluster.executor import RayExecutor, Workers
 from worker.load import is_local
-from worker.spec import Batching, ModelSpec
+from worker.spec import Batching, Grouping, ModelSpec
 
 from driver.checks.settings import RAY_ONLY, check_model_args
 from driver.lm.cache import Cache
 from driver.lm.mlx import OrchardLM
+from driver.lm.model_setup import model_config, tokenizer_folder
 from driver.lm.progress import Progress
 from driver.steering.spec import warn_once
 
 
 def ray_executor(
-    spec: ModelSpec, batching: Batching, *, model_identity: dict, max_length: int, cache_dir: str | None = None, **options
-) -> RayExecutor:
+    spec: ModelSpec, batching: Batching, *, model_identity: dict, max_length: int, cache_dir: str | None = None,
+    grouping: Grouping = Grouping(), **options,
+) -> RayExecutor:  # fmt: skip
     """A cluster.executor.RayExecutor with this head's result cache (`cache_dir`, a folder, or none), progress bar
-    and steering notes; `options` are cluster.executor.Workers' (workers, address, threads, files, ...)."""
-    workers = Workers(spec, batching, **options)  # the worker count checked before the cache is opened
+    and steering notes; `grouping`: the worker groups (resolved: no auto); `options` are cluster.executor.Workers'
+    (workers, address, threads, files, ...)."""
+    workers = Workers(spec, batching, grouping=grouping, **options)  # the worker count checked before the cache is opened
     cache = Cache(cache_dir) if cache_dir else None
     return RayExecutor(
         workers, cache=cache, progress=Progress(), notes=warn_once, model_identity=model_identity, max_length=max_length
     )
+
+
+def model_grouping(spec: ModelSpec, size: int | str, split: str, address: str | None) -> Grouping:
+    """The model_args' group_size and split as a Grouping, checked as the CLI's flags are (driver.checks.groups)."""
+    if size == 1:
+        return Grouping(split="pipeline" if split == "auto" else split)
+    from driver.checks.groups import grouping, tell_chosen
+
+    folder = tokenizer_folder(spec.model, spec.revision)
+    try:
+        found = grouping(size, split, config=model_config(spec.model, spec.revision), folder=folder, address=address)
+    except click.ClickException as e:  # simple_evaluate's callers get a ValueError, as for every bad model_arg
+        raise ValueError(e.format_message()) from None
+    tell_chosen(size, split, found)
+    return found
 
 
 _NAMES = ("workers", "address", "cache")  # kept as given (a count or "all", a text): checked as text
@@ -40,8 +59,9 @@ _NAMES = ("workers", "address", "cache")  # kept as given (a count or "all", a t
 
 @register_model("mlx-ray")
 class MLXRayLM(OrchardLM):
-    """`mlx` plus workers (a count or "all"), address (auto | HOST:PORT | local), cache (a folder), threads,
-    max_restarts and dashboard (embedded Ray only)."""
+    """`mlx` plus workers (a count of groups or "all"), address (auto | HOST:PORT | local), cache (a folder),
+    threads, max_restarts, dashboard (embedded Ray only), group_size (nodes per copy of the model, or auto) and
+    split (auto | pipeline | tensor)."""
 
     actor_cls: type = WorkerActor  # the actor class placed on each node
 
@@ -54,13 +74,15 @@ class MLXRayLM(OrchardLM):
         self.ray_args = {"workers": ray.get("workers", "all"), "address": ray.get("address"), "cache_dir": ray.get("cache"),
                          "dashboard": ray.get("dashboard", False), "stage": ray.get("stage", False)}  # fmt: skip
         self.ray_args |= {k: ray[k] for k in ("threads", "max_restarts") if k in ray}
+        self.group_args = (ray.get("group_size", 1), ray.get("split", "auto"))
         super()._init_extra(kwargs)
 
     def make_executor(self, spec: ModelSpec, batching: Batching) -> RayExecutor:
         files = None
         if is_local(spec.model):  # the workers load the head's folder (or a staged copy): the same content
             files = {"weights": self.identity["files"]} | ({"adapter": self.identity["adapter"]} if self.identity["adapter"] else {})
+        grouping = model_grouping(spec, *self.group_args, self.ray_args["address"])
         return ray_executor(
             spec, batching, model_identity=self.identity, max_length=self.max_length, actor_cls=self.actor_cls,
-            files=files, **self.ray_args,
+            files=files, grouping=grouping, **self.ray_args,
         )  # fmt: skip

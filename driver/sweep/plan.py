@@ -282,7 +282,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
             raise SweepError(f"{where}: prompts[{i}].max_gen_toks: {ps.max_gen_toks} must be less than the context window ({window})")
         prompt_sets[name] = (ps, read_prompts(base / Path(ps.file).expanduser(), where))
     plan = _plan(spec.tasks, base, where, m.batch_size) if spec.tasks is not None else None
-    args = {k: v for k, v in m.model_dump().items() if v is not None and k != "threads"}
+    args = {k: v for k, v in m.model_dump().items() if v is not None and k not in ("threads", "group_size", "split")}
     args["pretrained"] = pretrained
     if m.adapter_path is not None:
         args["adapter_path"] = str((base / Path(m.adapter_path).expanduser()).resolve())

@@ -18,9 +18,13 @@ A configuration whose scores are non-finite is set aside (driver.sweep.grid) and
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from worker.spec import Grouping
 
 from driver.sweep import fluency
 from driver.sweep.grid import run_grids
@@ -75,18 +79,25 @@ def _prompt_requests(lm, sweep: Sweep) -> tuple[list, list, list, list]:
 
 
 def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, output: Path, cache: str | None = None,
-        threads: int | None = None, stage: bool = False, echo=print) -> Outcome:  # fmt: skip
+        threads: int | None = None, stage: bool = False, grouping: Grouping | None = None, notes: Sequence[str] = (),
+        echo=print) -> Outcome:  # fmt: skip
     """Run a checked sweep on one `mlx-ray` model; returns the rows (nothing is written here but the cache
-    and lm-eval's results JSON per configuration)."""
+    and lm-eval's results JSON per configuration). `grouping`: the worker groups, resolved (default: the file's
+    model.group_size and model.split, resolved when the model opens); `notes`: lines for stderr once it opens."""
     from driver.lm.evaluation import evaluate, open_model
 
     start = time.monotonic()
     args = {**sweep.model_args, "workers": workers, "cache": cache or str(output / "cache"), "stage": stage}
+    model = sweep.spec.model
+    size, split = (grouping.size, grouping.split) if grouping else (model.group_size, model.split)
+    args |= {"group_size": size, "split": split}
     for name, value in (("address", address), ("threads", threads)):
         if value is not None:
             args[name] = value
     configs, steerings = sweep.configs, [c.steering for c in sweep.configs]
     lm = open_model(args)
+    for line in notes:  # what auto chose: said once the workers start, so a refusal stays one line
+        print(line, file=sys.stderr)
     try:
         placed = lm.executor.info()["workers"]  # none yet when the cache holds this model's results
         echo(f"sweep: {len(configs) - 1} configuration{'s' * (len(configs) != 2)} + the baseline" + (f" on {placed} worker{'s' * (placed != 1)}" if placed else ""))

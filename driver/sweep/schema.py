@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
+from driver.checks import settings
 from driver.steering.userfiles import explain, load_yaml, short, yaml_problem
 
 __all__ = ["SweepError", "SweepFile", "ModelSettings", "VectorSource", "Grid", "Tasks", "PromptSet", "read_sweep_file",
@@ -49,6 +50,28 @@ class ModelSettings(BaseModel):
     max_gen_toks: StrictInt = Field(default=256, ge=1)
     trust_remote_code: StrictBool = False
     threads: StrictInt | None = Field(default=None, ge=1)
+    group_size: StrictInt | str = 1  # nodes per copy of the model, or auto (driver.checks.groups)
+    split: str = "auto"  # auto | pipeline | tensor
+
+    @field_validator("group_size", mode="before")
+    @classmethod
+    def _group_size(cls, v: Any) -> Any:
+        return _setting(settings.group_size, v)
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        return _setting(settings.split, v)
+
+
+def _setting(check, value: Any) -> Any:
+    """A value checked as its flag is (driver.checks.settings), said without the flag's name."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"must be a whole number or a word such as auto, not {short(value)}")
+    try:
+        return check(value, "")
+    except settings.SettingError as e:  # " VALUE: what is wrong (what is allowed)"
+        raise ValueError(f"{str(e).partition(': ')[2]}, not {short(value)}") from None
 
 
 class VectorSource(BaseModel):

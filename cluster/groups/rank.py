@@ -1,0 +1,85 @@
+"""One rank of a worker group: a worker actor that joins its group's `mx.distributed` ring and loads only its share.
+
+The constructor loads nothing: the head first asks every rank for an address (`address`), then hands all of
+them the same hostfile (`form`). Every rank gets the same calls in the same order (the lockstep rule of
+notes/GROUPS.md); rank 0 returns the group's results, the others `(indices, None)`. A rank is never restarted:
+a process keeps its first ring for life.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from worker.jobs import run
+from worker.load import ModelLoadError, load, resolve, weights_bytes
+from worker.spec import Batching, Grouping, Job, ModelSpec
+from worker.split import peak_memory_gb
+
+from ..actor import WorkerActor
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class GroupRank(WorkerActor):
+    """Rank `rank_in_group` of group `group`; `rank` is its place among all ranks of the run."""
+
+    def __init__(self, spec: ModelSpec, batching: Batching, rank: int = 0, group: int = 0, rank_in_group: int = 0):
+        self.rank, self.batching, self.spec = rank, batching, spec
+        self.group, self.rank_in_group = group, rank_in_group
+        self.restarted, self.error, self.lm = False, None, None
+        self.grouping: Grouping | None = None
+
+    def address(self) -> str:
+        """'host:port' where this rank listens in the ring: this node's address and a free port."""
+        from worker.split.ring import free_address
+
+        return free_address(_node_ip())
+
+    def check_share(self, folder: Path, size: int) -> None:
+        """Refuse, in one line, a share of the weights larger than this node's memory for models."""
+        need = weights_bytes(folder) / size / 2**30
+        have, source = self.memory_for_models()
+        if need > have:
+            fit = -(-need * size // max(have, 1e-9))
+            raise ModelLoadError(
+                f"this rank's share of the weights ({need:.1f} GB of {need * size:.1f} GB over {size} ranks) does not fit "
+                f"in the {have:.1f} GB this node has for models ({source}): pass --group-size {fit:.0f} (or auto), or use a smaller model"
+            )
+
+    def form(self, hostfile: list[str], grouping: Grouping, timeout: float) -> dict:
+        """Join the ring with the group's other ranks, load this rank's share; this rank's facts."""
+        from worker.split.ring import join
+
+        self.grouping = grouping
+        folder = resolve(self.spec.model, self.spec.revision, self.spec.adapter_path)
+        self.check_share(folder, grouping.size)
+        ring = join(hostfile, self.rank_in_group, timeout)
+        self.lm = load(self.spec.model_copy(update={"model": str(folder)}), group=ring, grouping=grouping)
+        return self.facts()
+
+    def facts(self) -> dict:
+        if self.lm is None:  # asked before form (or after it failed): nothing to tell yet
+            return {"rank": self.rank, "group": self.group, "rank_in_group": self.rank_in_group}
+        layers = getattr(self.lm, "layers", None)
+        return {
+            **super().facts(),
+            "group": self.group,
+            "rank_in_group": self.rank_in_group,
+            "group_size": self.grouping.size if self.grouping else 1,
+            "split": self.grouping.split if self.grouping else None,
+            "layers": list(layers) if layers is not None else None,
+            "peak_memory_gb": peak_memory_gb(),
+        }
+
+    def peak_memory(self) -> float | None:
+        return peak_memory_gb()
+
+    def run(self, job: Job, indices: Sequence[int], requests: Sequence[Any]) -> tuple[Sequence[int], list | None]:
+        results = run(self.lm, job, requests, self.batching)
+        return indices, (results if self.rank_in_group == 0 else None)

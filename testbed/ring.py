@@ -1,0 +1,94 @@
+"""Worker jobs on a model split over a real `mx.distributed` ring of K local processes (127.0.0.1), no Ray.
+
+`run_split(models, grouping, work)` starts one process per rank (`python -m testbed.ring TASK RANK`); each joins
+the ring, loads its share of every model in `models` ({name: folder}; worker.load.load with the group) and runs
+every (name, Job, requests) of `work` through worker.jobs.run, in the same order, as a group's ranks do. Returns
+each rank's report: its layers and peak memory per model, and results (a job that raised gives "error: <message>").
+A grouping of size 1 loads the whole models unsplit.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_split(models: dict, grouping: Any, work: list, *, dtype: str | None = None, timeout: float = 300) -> list[dict]:
+    """Each rank's report {rank, layers and load_peak_gb and weights_bytes: {name: ...}, peak_gb, results}, in rank
+    order; RuntimeError on a rank that fails (every rank is stopped)."""
+    from worker.split import free_address
+
+    hostfile = [free_address("127.0.0.1") for _ in range(grouping.size)]
+    with tempfile.TemporaryDirectory(prefix="orchard-ring-") as folder:
+        task = Path(folder) / "task.pkl"
+        task.write_bytes(pickle.dumps({"models": {k: str(v) for k, v in models.items()}, "dtype": dtype, "grouping": grouping, "work": work, "hostfile": hostfile}))
+        procs = [subprocess.Popen([sys.executable, "-m", "testbed.ring", str(task), str(rank)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                 for rank in range(grouping.size)]  # fmt: skip
+        outputs = _wait(procs, timeout)
+        for rank, (proc, out) in enumerate(zip(procs, outputs)):
+            if proc.returncode != 0:
+                raise RuntimeError(f"rank {rank} exited {proc.returncode}: {out[-2000:]}")
+        return [pickle.loads((Path(folder) / f"rank{rank}.pkl").read_bytes()) for rank in range(grouping.size)]
+
+
+def _wait(procs: list, timeout: float) -> list[str]:
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:  # never leave a rank behind (a hung ring, a failed peer)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outputs
+
+
+def weights_held(lm: Any) -> int:
+    """Bytes of the weights a loaded model (or one rank's share) holds."""
+    from mlx.utils import tree_flatten
+
+    return sum(w.nbytes for _, w in tree_flatten(lm.model.parameters()))
+
+
+def _job(lm: Any, job: Any, requests: list) -> Any:
+    from worker.jobs import run
+    from worker.spec import Batching
+
+    try:
+        return list(run(lm, job, requests, Batching()))
+    except Exception as e:  # reported per job, as the worker reports it
+        return f"error: {e}"
+
+
+def main(task_path: str, rank: int) -> None:
+    import mlx.core as mx
+
+    from worker.load import load
+    from worker.spec import ModelSpec
+    from worker.split import join, peak_memory_gb
+
+    task = pickle.loads(Path(task_path).read_bytes())
+    grouping = task["grouping"]
+    group = join(task["hostfile"], rank) if grouping.size > 1 else None
+    models, layers, load_peak = {}, {}, {}
+    for name, folder in task["models"].items():  # each model measured alone: its load's own peak
+        mx.reset_peak_memory()
+        models[name] = load(ModelSpec(model=folder, dtype=task["dtype"]), group=group, grouping=grouping)
+        layers[name], load_peak[name] = models[name].layers, peak_memory_gb()
+    held = {name: weights_held(lm) for name, lm in models.items()}
+    results = [_job(models[name], job, requests) for name, job, requests in task["work"]]
+    report = {"rank": rank, "layers": layers, "load_peak_gb": load_peak, "peak_gb": peak_memory_gb(),
+              "weights_bytes": held, "results": results}  # fmt: skip
+    (Path(task_path).parent / f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,296 @@
+"""Worker groups on real Ray (the 4-node loopback `ray_cluster`) with a real `mx.distributed` ring over 127.0.0.1.
+
+A group of K ranks holds one model split across them and is one worker to the scheduler: its numbers must equal
+the unsplit in-process `mlx` model's, 2 groups must equal 1, and a rank killed or hung mid-run must lose only its
+group (the run finishing on the other) with nothing left running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import lm_eval  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from ray import cloudpickle  # noqa: E402
+
+from cluster import ClusterError  # noqa: E402
+from cluster.groups import GroupRank  # noqa: E402
+from driver.lm.mlx_ray import MLXRayLM  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
+
+TASKS = ["orchard_mc", "orchard_ppl", "orchard_gen"]
+MC = ["orchard_mc"]  # 48 loglikelihood requests: many chunks
+MODEL_ARGS = {"max_length": 64, "batch_size": 4, "max_batch_tokens": 128}  # small chunks: many per run
+TOLERANCE = {"pipeline": 1e-5, "tensor": 1e-4}  # pipeline runs the same ops; tensor sums partial products
+
+
+@pytest.fixture(scope="module")
+def tasks(tasks_dir):
+    return TaskManager(include_path=str(tasks_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path, tasks):
+    """The unsplit in-process `mlx` model on the same requests."""
+    return evaluate("mlx", {"pretrained": str(llama_path), **MODEL_ARGS}, tasks)
+
+
+def evaluate(model, model_args, manager, names=TASKS):
+    return lm_eval.simple_evaluate(
+        model=model, model_args=model_args, tasks=names, task_manager=manager, log_samples=True, verbosity="ERROR"
+    )
+
+
+class Slow(GroupRank):
+    """A real rank that sleeps `delay` s per chunk (every rank alike: the ring stays in step), and tells its pid."""
+
+    delay: float = 0.0
+
+    def run(self, job, indices, requests):
+        time.sleep(self.delay)
+        return super().run(job, indices, requests)
+
+    def facts(self) -> dict:
+        return {**super().facts(), "pid": os.getpid()}
+
+
+def grouped(actor: type | None = None) -> type:
+    return MLXRayLM if actor is None else type("GroupedRayLM", (MLXRayLM,), {"actor_cls": actor})
+
+
+def open_lm(llama_path, model=MLXRayLM, **args):
+    return model.create_from_arg_obj({"pretrained": str(llama_path), **MODEL_ARGS, **args})
+
+
+def run_groups(llama_path, manager, names=TASKS, model=MLXRayLM, **args):
+    """simple_evaluate with fresh worker groups; (results, executor info). Always frees the groups."""
+    lm = open_lm(llama_path, model, **args)
+    try:
+        return evaluate(lm, None, manager, names), lm.executor.info()
+    finally:
+        lm.executor.close()
+
+
+def assert_same(ours, ref, names=TASKS, tolerance=1e-5):
+    for task in names:
+        mine, theirs = ours["samples"][task], ref["samples"][task]
+        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in theirs]
+        for a, b in zip(mine, theirs):
+            for (x,), (y,) in zip(a["resps"], b["resps"]):
+                if task == "orchard_mc":
+                    assert abs(x[0] - y[0]) <= tolerance and x[1] == y[1], (task, x, y)
+                elif task == "orchard_ppl":
+                    assert abs(x - y) <= tolerance * max(1.0, abs(y)), (task, x, y)
+                else:
+                    assert x == y, (task, x, y)  # greedy text identical
+
+
+def free_units(want: int = 4, wait: float = 20.0) -> float:
+    """The cluster's free `mlx` units, waiting up to `wait` s for them to come back to `want`."""
+    deadline = time.monotonic() + wait
+    while (free := ray.available_resources().get("mlx", 0)) < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return free
+
+
+def alive_ranks() -> list:
+    """Rank actors Ray still counts alive (the actor table, as cluster.failures reads it)."""
+    table = ray._private.state.actors().values()
+    return [a for a in table if a["State"] != "DEAD" and a["ActorClassName"] in ("Slow", "GroupRank", "TakenPort")]
+
+
+@pytest.mark.parametrize("split", ["pipeline", "tensor"])
+def test_one_group_of_two_equals_the_unsplit_model(ray_cluster, llama_path, tasks, reference, split):
+    ours, info = run_groups(llama_path, tasks, group_size=2, split=split, workers=1)
+    assert_same(ours, reference, tolerance=TOLERANCE[split])
+    assert info["workers"] == 1 and info["nodes"] == 2  # one worker to the scheduler, on two nodes
+    (group,) = info["groups"]
+    assert group["split"] == split and [r["rank_in_group"] for r in group["ranks"]] == [0, 1]
+    assert len({r["node_id"] for r in group["ranks"]}) == 2  # STRICT_SPREAD: one rank per node
+    if split == "pipeline":
+        assert [r["layers"] for r in group["ranks"]] == [[0, 1], [1, 2]]  # each rank holds its own layers
+    assert all(r["peak_memory_gb"] and r["peak_memory_gb"] > 0 for r in group["ranks"])
+    assert free_units() == 4  # the groups' placement groups were released
+
+
+def test_two_groups_equal_one_and_both_take_chunks(ray_cluster, llama_path, tasks, reference):
+    ours, info = run_groups(llama_path, tasks, group_size=2, split="pipeline", workers=2)
+    assert_same(ours, reference)
+    assert info["workers"] == 2 and info["nodes"] == 4
+    assert len(info["requests_computed"]) == 2 and all(n > 0 for n in info["requests_computed"].values())
+    assert sorted(g["group"] for g in info["groups"]) == [0, 1]
+    assert free_units() == 4
+
+
+class within:
+    """Fail (not hang) when the block runs past `seconds`: Ctrl-C to the main thread, reported as a hang."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.fired = seconds, False
+        self.timer = threading.Timer(seconds, self._fire)
+
+    def _fire(self) -> None:
+        self.fired = True
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    def __enter__(self):
+        self.timer.start()
+        return self
+
+    def __exit__(self, kind, value, tb):
+        self.timer.cancel()
+        if self.fired:
+            pytest.fail(f"hung: still running after {self.seconds:g} s")
+        return False
+
+
+def _kill_when_running(lm, action):
+    """Run `action` on a thread once the first chunk's results are in (the run is under way)."""
+
+    def watch():
+        while not sum(lm.executor.done.values()):
+            time.sleep(0.02)
+        action()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _victim(lm, group: int = 1, rank: int = 1) -> int:
+    facts = lm.executor.wait_ready()
+    return next(r["pid"] for r in ray.get([a.facts.remote() for a in lm.executor.workers._formed.ranks[group]]) if r["rank_in_group"] == rank)
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_rank_killed_or_hung_mid_run_loses_only_its_group(ray_cluster, llama_path, tasks, reference, how):
+    """A real SIGKILL (or SIGSTOP: a hung rank, caught by the group deadline) of group 1's rank 1 while the run is
+    under way: group 1 is lost whole, its chunks rerun on group 0, the numbers are identical, nothing is left."""
+    actor = type("Slow", (Slow,), {"delay": 0.5})  # ~16 chunks: the run outlasts the deadline, not all backed up
+    lm = open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=2)
+    pid = _victim(lm)
+    lm.executor.pool.deadline = 4.0  # a hung group is given up after 4 s without an answer (a chunk takes ~0.5 s)
+    thread = _kill_when_running(lm, lambda: os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP))
+    try:
+        with within(120):
+            ours = evaluate(lm, None, tasks, MC)
+        info = lm.executor.info()
+    finally:
+        lm.executor.close()
+        thread.join(timeout=30)
+    assert_same(ours, reference, MC)  # and Merge asserted every request arrived exactly once
+    assert info["workers_alive"] == 1 and lm.executor.pool.alive == {0}
+    (reason,) = lm.executor.pool.reasons
+    assert reason.startswith("group g1 lost: ") and "\n" not in reason
+    assert ("rank 1 on " in reason and "died" in reason) if how == "killed" else "deadline (a hung rank)" in reason
+    assert sum(info["requests_computed"].values()) == 48
+    assert not alive_ranks() and free_units() == 4  # no stray rank, every unit free
+    time.sleep(1.0)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_losing_every_group_is_one_line(ray_cluster, llama_path, tasks):
+    actor = type("Slow", (Slow,), {"delay": 0.2})
+    lm = open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=1)
+    pid = _victim(lm, group=0, rank=1)
+    thread = _kill_when_running(lm, lambda: os.kill(pid, signal.SIGKILL))
+    try:
+        with within(120), pytest.raises(ClusterError) as e:
+            evaluate(lm, None, tasks, MC)
+    finally:
+        lm.executor.close()
+        thread.join(timeout=30)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("every worker group is lost (group g0 lost: rank 1 on ")
+    assert "loglikelihood requests finished" in message
+    assert not alive_ranks() and free_units() == 4
+
+
+class TakenPort(GroupRank):
+    """Rank 1 gives an address whose port it already holds: the ring cannot form there."""
+
+    def address(self) -> str:
+        import socket
+
+        if self.rank_in_group != 1:
+            return super().address()
+        self.held = socket.socket()
+        self.held.bind(("127.0.0.1", 0))
+        self.held.listen()
+        return f"127.0.0.1:{self.held.getsockname()[1]}"
+
+
+def test_a_group_that_cannot_form_is_one_line_and_leaves_nothing(ray_cluster, llama_path):
+    lm = open_lm(llama_path, grouped(TakenPort), group_size=2, split="pipeline", workers=2)
+    try:
+        with pytest.raises(ClusterError) as e:
+            lm.executor.wait_ready()
+    finally:
+        lm.executor.close()
+    message = str(e.value)
+    assert "\n" not in message and "rank 1 on " in message and "(127.0.0.1, node " in message, message
+    assert message.startswith("group g") and "join its ring" in message
+    assert not alive_ranks() and free_units() == 4
+
+
+def test_a_steering_grid_on_a_group_equals_the_in_process_grid(ray_cluster, llama_path):
+    """Sweeps (run_grid) go the same way: steered at a layer on each side of the pipeline split, and unsteered."""
+    import numpy as np
+
+    from driver.lm.mlx_ray import ray_executor
+    from worker.generate import GenRequest
+    from worker.grid import grid_generate, grid_loglikelihood
+    from worker.load import load
+    from worker.spec import Batching, Grouping, Intervention, ModelSpec, Steering
+
+    vector = lambda seed: tuple(np.random.default_rng(seed).standard_normal(64).tolist())  # noqa: E731
+    grid = [Steering()] + [Steering(interventions=(Intervention(layer=layer, vector=vector(layer), alpha=4.0),)) for layer in (0, 1)]
+    rng = np.random.default_rng(0)
+    reqs = [((1, *rng.integers(3, 300, 12).tolist()), tuple(rng.integers(3, 300, 3).tolist())) for _ in range(10)]
+    gens = [GenRequest(context=(5, 17, 33, 90), max_gen_toks=5), GenRequest(context=(7, 8, 9), max_gen_toks=3)]
+    spec, batching = ModelSpec(model=str(llama_path), max_length=64), Batching(batch_size=4, max_batch_tokens=128)
+    lm = load(spec)
+    want = [list(c) for c in zip(*grid_loglikelihood(lm, grid, reqs, batching))]
+    want_gen = [list(c) for c in zip(*grid_generate(lm, grid, gens, batching))]
+    ex = ray_executor(spec, batching, model_identity={"model": str(llama_path)}, max_length=64, workers=1,
+                      grouping=Grouping(size=2, split="pipeline"))  # fmt: skip
+    try:
+        got, got_gen = ex.run_grid("loglikelihood", grid, reqs), ex.run_grid("generate", grid, gens)
+        info = ex.info()
+    finally:
+        ex.close()
+    for mine, theirs in zip(got, want):
+        assert all(abs(x[0] - y[0]) <= 1e-5 * max(1.0, abs(y[0])) and bool(x[1]) == bool(y[1]) for x, y in zip(mine, theirs))
+    assert got_gen == want_gen and want[1] != want[0] and want[2] != want[0]  # the steering changed the numbers
+    assert info["workers"] == 1 and info["nodes"] == 2
+
+
+def test_more_groups_than_the_nodes_hold_is_one_line_before_anything_starts(ray_cluster, llama_path):
+    from driver.lm.mlx_ray import ray_executor
+    from worker.spec import Batching, Grouping, ModelSpec
+
+    with pytest.raises(ClusterError) as e:
+        ray_executor(ModelSpec(model=str(llama_path)), Batching(), model_identity={}, max_length=64, workers=3,
+                     grouping=Grouping(size=2))  # fmt: skip
+    assert str(e.value) == (
+        "--workers 3 --group-size 2 needs 6 `mlx` nodes but the cluster has 4 (4 nodes): pass --workers 2 or a smaller --group-size"
+    )
+    assert not alive_ranks() and free_units() == 4

@@ -1,0 +1,206 @@
+"""Worker groups (issue 17): a model split over a REAL mx.distributed ring of 2 local processes (127.0.0.1, no
+Ray) gives the unsplit model's numbers on every request kind, pipeline and tensor.
+
+One ring per split kind runs every job on two models (the shipped TinyStories-260K, a llama with 5 layers and 8
+heads, and a generated 4-layer qwen2); the test compares its ranks' results with the same jobs run unsplit here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from testbed.ring import ROOT, run_split
+from worker.generate import GenRequest
+from worker.jobs import run
+from worker.load import load
+from worker.spec import Batching, Grouping, Intervention, Job, Steering
+from worker.split import check, free_address, layer_ranges
+
+TOLERANCE = {"pipeline": 1e-5, "tensor": 1e-4}  # pipeline runs the same ops; tensor sums partial products
+# pipeline over 2 ranks: stories (5 layers) 0-2 | 3-4, qwen2 (4 layers) 0-1 | 2-3; a layer on each side
+SIDES = {"stories": (1, 3), "qwen2": (0, 2)}
+HIDDEN = {"stories": 64, "qwen2": 64}
+
+
+def _steer(layer: int, hidden: int, alpha: float = 4.0) -> Steering:
+    vector = tuple(float(v) for v in np.random.default_rng(layer).standard_normal(hidden))
+    return Steering(interventions=(Intervention(layer=layer, vector=vector, alpha=alpha),))
+
+
+def _work(name: str) -> list[tuple[str, Job, list]]:
+    """Every request kind on one model: (label, job, requests)."""
+    ll = [([1, 5, 9, 20, 30, 31, 32], [40, 41]), ([1, 5, 9, 20, 30, 31, 32], [42]), ([1, 7, 8], [9]), ([1, 2], [3, 4, 5])]
+    gen = [GenRequest(context=(1, 5, 9, 20), max_gen_toks=12), GenRequest(context=(1, 7, 8, 30, 31), max_gen_toks=8)]
+    low, high = SIDES[name]
+    points = (f"resid_post.{low}", f"resid_post.{high}", f"mlp_out.{high}")
+    steer_low, steer_high = _steer(low, HIDDEN[name]), _steer(high, HIDDEN[name])
+    return [
+        ("loglikelihood", Job(kind="loglikelihood"), ll),
+        ("generate", Job(kind="generate"), gen),
+        ("steered_low", Job(kind="loglikelihood", steering=steer_low), ll),
+        ("steered_high", Job(kind="loglikelihood", steering=steer_high), ll),
+        ("steered_generate", Job(kind="generate", steering=steer_high), gen),
+        ("capture", Job(kind="capture", points=points), [([1, 5, 9, 20], -1), ([1, 7, 8, 30, 31], 2)]),
+        ("steered_capture", Job(kind="capture", steering=steer_low, points=points), [([1, 5, 9, 20], -1)]),
+        ("grid", Job(kind="loglikelihood", grid=(Steering(), steer_low, steer_high)), ll),
+    ]
+
+
+@pytest.fixture(scope="module")
+def models(stories_path, tmp_path_factory):
+    from testbed.models import write_model
+
+    qwen2 = write_model(tmp_path_factory.mktemp("split") / "qwen2", arch="qwen2", layers=4, heads=4, kv_heads=2)
+    return {"stories": stories_path, "qwen2": qwen2}
+
+
+@pytest.fixture(scope="module")
+def unsplit(models):
+    out = {}
+    for name, folder in models.items():
+        lm = load(str(folder))
+        out[name] = {label: list(run(lm, job, requests, Batching())) for label, job, requests in _work(name)}
+    return out
+
+
+@pytest.fixture(scope="module", params=["pipeline", "tensor"])
+def ring(request, models):
+    """(split, each rank's report {layers, results: {model: {label: results}}}) from one ring of 2 processes."""
+    work = [(name, job, requests) for name in models for _, job, requests in _work(name)]
+    reports = run_split(models, Grouping(size=2, split=request.param), work, timeout=300)
+    labels = [(name, label) for name in models for label, _, _ in _work(name)]
+    for report in reports:
+        by_model: dict = {}
+        for (name, label), result in zip(labels, report["results"]):
+            by_model.setdefault(name, {})[label] = result
+        report["results"] = by_model
+    return request.param, reports
+
+
+def _scores(results) -> np.ndarray:
+    assert not isinstance(results, str), results
+    return np.array([lp for lp, _ in results])
+
+
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_layers_owned(ring, models, name):
+    split, reports = ring
+    n = {"stories": 5, "qwen2": 4}[name]
+    want = layer_ranges(n, 2) if split == "pipeline" else [(0, n), (0, n)]
+    assert [tuple(r["layers"][name]) for r in reports] == want
+
+
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_each_rank_holds_only_its_share(ring, models, name):
+    from testbed.ring import weights_held
+
+    whole = weights_held(load(str(models[name])))
+    held = [r["weights_bytes"][name] for r in ring[1]]
+    assert all(h < whole for h in held), (held, whole)
+    assert sum(held) >= whole * 0.99  # nothing lost; pipeline repeats embeddings, norm and head on each rank
+
+
+@pytest.mark.parametrize("label", ["loglikelihood", "steered_low", "steered_high"])
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_loglikelihood_equals_unsplit(ring, unsplit, name, label):
+    split, reports = ring
+    want = unsplit[name][label]
+    for report in reports:  # every rank computes the same logits: rank 0 returns them
+        got = report["results"][name][label]
+        assert np.abs(_scores(got) - _scores(want)).max() <= TOLERANCE[split]
+        assert [g for _, g in got] == [g for _, g in want]
+    if label != "loglikelihood":  # the steering changed the numbers: the hook ran on its layer's rank
+        assert np.abs(_scores(want) - _scores(unsplit[name]["loglikelihood"])).max() > 1e-3
+
+
+@pytest.mark.parametrize("label", ["generate", "steered_generate"])
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_greedy_generation_identical(ring, unsplit, name, label):
+    _, reports = ring
+    assert all(r["results"][name][label] == unsplit[name][label] for r in reports)
+
+
+@pytest.mark.parametrize("label", ["capture", "steered_capture"])
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_capture_gathered_to_every_rank(ring, unsplit, name, label):
+    split, reports = ring
+    for report in reports:
+        got = report["results"][name][label]
+        assert not isinstance(got, str), got
+        for g, w in zip(got, unsplit[name][label], strict=True):
+            assert g.shape == w.shape
+            assert np.abs(g - w).max() <= TOLERANCE[split] * max(1.0, float(np.abs(w).max()))
+
+
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_grid_equals_unsplit(ring, unsplit, name):
+    split, reports = ring
+    want = unsplit[name]["grid"]
+    for report in reports:
+        got = report["results"][name]["grid"]
+        assert not isinstance(got, str), got
+        for g, w in zip(got, want, strict=True):
+            assert np.abs(np.array([lp for lp, _ in g]) - np.array([lp for lp, _ in w])).max() <= TOLERANCE[split]
+
+
+# --- bad splits, before anything loads (pure) ------------------------------------------------------------
+
+
+def test_check_names_bad_splits(stories_path):
+    config = json.loads((stories_path / "config.json").read_text())  # llama: 5 layers, 8 heads, 4 kv heads
+    assert check(config, 2, "pipeline") is None and check(config, 4, "tensor") is None
+    assert "larger than the model's 5 layers" in check(config, 6, "pipeline")
+    assert "8 attention heads do not divide by group size 3" in check(config, 3, "tensor")
+    assert "4 key/value heads do not divide by group size 8" in check(config, 8, "tensor")
+    assert "--split pipeline" in check({"model_type": "gpt2", "n_layer": 2, "n_head": 4}, 2, "tensor")
+    assert check({"model_type": "mistral", "num_hidden_layers": 2, "num_attention_heads": 4}, 2, "tensor") is None
+    assert "below 1" in check(config, 0, "pipeline")
+    for line in (check(config, 6, "pipeline"), check(config, 3, "tensor")):
+        assert "\n" not in line
+
+
+def test_layer_ranges_contiguous_low_ranks_take_extra():
+    assert layer_ranges(5, 2) == [(0, 3), (3, 5)]
+    assert layer_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert layer_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_join_ends_a_rank_whose_ring_never_forms():
+    """MLX's ring init holds the GIL and waits forever for a missing peer: join's watchdog ends the process within
+    the timeout, with one line naming the rank."""
+    hostfile = [free_address("127.0.0.1"), free_address("127.0.0.1")]
+    code = f"from worker.split import join\njoin({hostfile!r}, 0, timeout=3)\nprint('joined')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9 and "joined" not in done.stdout
+    assert done.stderr.strip() == (f"RingError: rank 0 ({hostfile[0]}): the ring of 2 did not form within 3 s: a rank "
+                                   f"did not join or cannot reach another ({', '.join(hostfile)})")  # fmt: skip
+
+
+def test_rank_in_a_ring_joins_and_sums():
+    """Two processes form one ring over 127.0.0.1 and an all_sum pairs up (the smallest real ring)."""
+    hostfile = [free_address("127.0.0.1"), free_address("127.0.0.1")]
+    code = ("import sys, mlx.core as mx\nfrom worker.split import join\n"
+            f"g = join({hostfile!r}, int(sys.argv[1]))\n"
+            "print(g.rank(), g.size(), mx.distributed.all_sum(mx.array([g.rank() + 1.0]), group=g).item())")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=ROOT, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert outs == [["0", "2", "3.0"], ["1", "2", "3.0"]]
+
+
+def test_a_dead_peer_fails_a_collective_at_once():
+    """What the cluster relies on: a ring collective whose peer process died raises at once (it never hangs)."""
+    hostfile = [free_address("127.0.0.1"), free_address("127.0.0.1")]
+    code = ("import os, sys, time, mlx.core as mx\nfrom worker.split import join\n"
+            f"g = join({hostfile!r}, int(sys.argv[1]))\n"
+            "mx.eval(mx.distributed.all_sum(mx.ones(4), group=g))\n"
+            "if g.rank() == 1:\n    os._exit(0)\ntime.sleep(1)\n"
+            "try:\n    mx.eval(mx.distributed.all_sum(mx.ones(4), group=g))\nexcept RuntimeError as e:\n    print(e)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True) for r in (0, 1)]  # fmt: skip
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert outs[0].strip() == "[ring] connection to a peer was lost"

@@ -1,0 +1,21 @@
+"""Worker groups: one model split across the ranks of an `mx.distributed` ring (issue 17).
+
+`check` and `layer_ranges` are pure (the driver uses them before anything loads); `ring` joins the ring;
+`worker.load.load(spec, group=..., grouping=...)` loads this rank's share (`share`, `pipeline`).
+"""
+
+from typing import Any
+
+from .plan import SPLITS, check, has_shard, layer_ranges, peak_memory_gb
+
+__all__ = ["SPLITS", "RingError", "check", "free_address", "has_shard", "join", "layer_ranges", "peak_memory_gb"]
+_RING = ("RingError", "free_address", "join")
+
+
+def __getattr__(name: str) -> Any:
+    """The ring's names on first use: `ring` imports worker.load, which imports `plan` from this package."""
+    if name in _RING:
+        from . import ring
+
+        return getattr(ring, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,111 @@
+"""Pipeline split, generic over every family Orchard instruments: each rank keeps a contiguous range of decoder
+blocks (their GLOBAL layer indices stay: hooks, steering and capture name layers as the whole model does).
+
+The first local block takes the hidden state from the rank before (recv), the last local block sends its output
+to the rank after and then every rank keeps the LAST stage's output of an all_gather: every rank ends the body
+with the same hidden state, so the final norm, the head and every kernel after the forward agree across ranks.
+Embeddings, the final norm and the head stay on every rank (the fixed overhead of a pipeline rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..hooks import decoder_layers
+from .plan import layer_ranges
+
+_STAGED: dict[type, type] = {}
+
+
+def _cache_of(args: tuple, kwargs: dict) -> Any:
+    """The block's KV cache argument (an object with `update_and_fetch`), wherever the family passes it."""
+    return next((a for a in (*args, *kwargs.values()) if hasattr(a, "update_and_fetch")), None)
+
+
+def _with_input(args: tuple, kwargs: dict, x: mx.array) -> tuple[tuple, dict]:
+    if args:
+        return (x, *args[1:]), kwargs
+    key = next(iter(kwargs))
+    return args, {**kwargs, key: x}
+
+
+def _handoff(self, h: mx.array, cache: Any) -> mx.array:
+    """Send this stage's output on, then every rank takes the last stage's output (all_gather, kept in the graph)."""
+    group, rank, size = self._orchard_group, self._orchard_group.rank(), self._orchard_group.size()
+    if rank < size - 1:
+        h = mx.distributed.send(h, rank + 1, group=group)
+        if cache is not None and getattr(cache, "keys", None) is not None:
+            cache.keys = mx.depends(cache.keys, h)  # evaluating only the caches still sends (prefix passes)
+    batch = h.shape[0]
+    return mx.distributed.all_gather(h, group=group)[(size - 1) * batch : size * batch]
+
+
+def _staged_class(cls: type) -> type:
+    """A block class that receives its input from the previous rank (first local block) and/or hands its output
+    on (last local block) around the block's own (instrumented) call."""
+    if cls not in _STAGED:
+
+        def __call__(self, *args: Any, **kwargs: Any):
+            group = self._orchard_group
+            if self._orchard_receives:
+                x = args[0] if args else next(iter(kwargs.values()))
+                args, kwargs = _with_input(args, kwargs, mx.distributed.recv_like(x, group.rank() - 1, group=group))
+            out = cls.__call__(self, *args, **kwargs)
+            if not self._orchard_sends:
+                return out
+            if isinstance(out, tuple):  # blocks that also return e.g. router logits
+                return (_handoff(self, out[0], _cache_of(args, kwargs)), *out[1:])
+            return _handoff(self, out, _cache_of(args, kwargs))
+
+        _STAGED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "_orchard_stage": True})
+    return _STAGED[cls]
+
+
+def _same(value: Any, blocks: list) -> bool:
+    return isinstance(value, list) and len(value) == len(blocks) and all(a is b for a, b in zip(value, blocks))
+
+
+def _holder(model: Any, blocks: list) -> tuple[Any, str]:
+    """(module, key) holding the list of decoder blocks (a property such as `layers` may return a copy)."""
+    for module in (getattr(model, "model", None), model):
+        entries = module.items() if isinstance(module, dict) else ()  # an nn.Module keeps its children as items
+        for name, value in entries:
+            if _same(value, blocks):
+                return module, name
+    raise ValueError(f"{type(model).__name__}: cannot find the list holding its decoder blocks to split it")
+
+
+def _local_indices(inner: Any, kept: list) -> None:
+    """Families that index the cache list by a layer kind (llama: fa_idx, swa_idx) index the LOCAL list now."""
+    if isinstance(getattr(inner, "fa_idx", None), int):
+        inner.fa_idx = next((i for i, b in enumerate(kept) if not getattr(b, "use_sliding", False)), 0)
+    if isinstance(getattr(inner, "swa_idx", None), int):
+        inner.swa_idx = next((i for i, b in enumerate(kept) if getattr(b, "use_sliding", False)), None)
+
+
+def split(model: Any, group: "mx.distributed.Group") -> tuple[int, int]:
+    """Keep this rank's blocks of an instrumented model (in place); returns its global [start, end)."""
+    blocks = decoder_layers(model)
+    start, end = layer_ranges(len(blocks), group.size())[group.rank()]
+    holder, name = _holder(model, blocks)
+    kept = blocks[start:end]
+    setattr(holder, name, kept)
+    _local_indices(holder, kept)
+    for i, block in enumerate(kept):
+        if not getattr(block, "_orchard_stage", False):
+            block.__class__ = _staged_class(type(block))
+        block._orchard_group = group
+        block._orchard_receives = i == 0 and group.rank() > 0
+        block._orchard_sends = i == len(kept) - 1
+    return start, end
+
+
+def shared_rows(group: "mx.distributed.Group", outs: list, h: mx.array, rows: int) -> mx.array:
+    """Captured [rows, points, hidden] float32 on every rank: each point's rows from the rank owning its layer
+    (None elsewhere: zeros there, so the all_sum is exact). The forward runs to its end first, in its own eval,
+    so every rank's sends are done and the collectives pair in the same order on every rank."""
+    mx.eval(h, [o for o in outs if o is not None])
+    filled = [o if o is not None else mx.zeros((rows, h.shape[-1]), mx.float32) for o in outs]
+    return mx.distributed.all_sum(mx.stack(filled, axis=1), group=group)

@@ -1,0 +1,114 @@
+"""What a split needs before anything loads: each rank's layers, and whether a model can be split so (pure)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+
+SPLITS = ("pipeline", "tensor")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads")
+_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
+def config_int(config: dict, keys: tuple[str, ...]) -> int | None:
+    """The first positive integer under one of `keys`, in the config or its `text_config` (multimodal models)."""
+    for source in (config, config.get("text_config") or {}):
+        for key in keys:
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def layer_ranges(n_layers: int, size: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) per rank, rank 0 the first layers; the low ranks take the extra layers."""
+    base, extra = divmod(n_layers, size)
+    ranges, start = [], 0
+    for rank in range(size):
+        end = start + base + (1 if rank < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def _models_folder() -> Path | None:
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@lru_cache(maxsize=1)
+def _remapping() -> dict:
+    """mlx-lm's MODEL_REMAPPING (e.g. mistral -> llama), read from its source: no MLX import."""
+    folder = _models_folder()
+    if folder is None or "mlx_lm.utils" in sys.modules:
+        return dict(getattr(sys.modules.get("mlx_lm.utils"), "MODEL_REMAPPING", {}))
+    for node in ast.parse((folder / "utils.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "MODEL_REMAPPING" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def has_shard(model_type: str) -> bool:
+    """Whether mlx-lm's module for this family defines `shard` (tensor parallelism), read from its source."""
+    folder = _models_folder()
+    module = _remapping().get(model_type, model_type)
+    if folder is None or not re.fullmatch(r"\w+", module or ""):
+        return False
+    source = folder / "models" / f"{module}.py"
+    return source.is_file() and re.search(r"^\s+def shard\(", source.read_text(), re.M) is not None
+
+
+def check(config: dict, size: int, split: str) -> str | None:
+    """One line naming why `config`'s model cannot be split `split` over `size` ranks, and the fix; None if it can."""
+    if split not in SPLITS:
+        return f"unknown split {split!r}: choose pipeline or tensor"
+    if size < 1:
+        return f"group size {size} is below 1: give a group size of 1 or more"
+    if size == 1:
+        return None
+    return _check_pipeline(config, size) if split == "pipeline" else _check_tensor(config, size)
+
+
+def _check_pipeline(config: dict, size: int) -> str | None:
+    layers = config_int(config, LAYER_KEYS)
+    if layers is not None and size > layers:
+        return (f"group size {size} is larger than the model's {layers} layers: a pipeline needs a layer per rank: "
+                f"use a group size of at most {layers}")  # fmt: skip
+    return None
+
+
+def _check_tensor(config: dict, size: int) -> str | None:
+    family = str(config.get("model_type", "model"))
+    if not has_shard(family):
+        return f"mlx-lm has no tensor split (shard) for {family} models: use --split pipeline"
+    heads = config_int(config, _HEAD_KEYS)
+    kv_heads = config_int(config, _KV_HEAD_KEYS) or heads
+    for what, n in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if n is not None and n % size:
+            return (f"the model's {n} {what} do not divide by group size {size}: use a group size that divides "
+                    f"{n}, or --split pipeline")  # fmt: skip
+    return None
+
+
+def peak_memory_gb() -> float:
+    """This process's peak memory in GB: MLX's own peak (its arrays), else the peak resident set size."""
+    try:
+        import mlx.core as mx
+
+        peak = mx.get_peak_memory()
+        if peak > 0:
+            return peak / 1e9
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
