@@ -16,7 +16,9 @@ questions when that folder is absent). Three parts, each a table against an anch
   2 one op       worker.score.loglikelihood on the same requests inside `steered(lm, Steering(...))`:
                  unsteered (anchor), one `add` on all positions at the middle layer (target: <= 5 % slower),
                  and as extra rows ablate, clamp and add at positions=last; and one `add` at each branch site
-                 (resid_mid, attn_out, mlp_out; target: <= 5 % slower).
+                 (resid_mid, attn_out, mlp_out) and at one head (attn_head, head 0; target: <= 5 % slower), plus a
+                 clamp at that head as an extra row. Part 1 also micro-times the idle wrapper on the attention's
+                 output projection (the attn_head hook point), which every block call now goes through.
   3 extraction   driver.steering.vectors.extract through driver.lm.mlx_ray.MLXRayLM (embedded local Ray, threads=1 per
                  worker) on a few hundred contrastive MMLU pairs at all 4 layers: pairs/s on 1 vs 2 workers
                  (target >= 1.7x), and whether both give the same vectors (<= 1e-6).
@@ -204,6 +206,10 @@ def part_hooks(orchard, plain_model, pairs, warm_pairs, repeats: int) -> None:
           f"{lm.hooks.active}; outputs bitwise equal: {same}")
     per_call = wrapper_cost(decoder_layers(lm.model)[0], hidden_size(lm))
     blocks = calls * lm.n_layers
+    projection = decoder_layers(lm.model)[0].self_attn.o_proj
+    per_projection = wrapper_cost(projection, projection.weight.shape[1])
+    print(f"  the idle attn_head wrapper on o_proj: {max(per_projection, 0.0) * 1e6:.2f} us per call (micro-timed; "
+          f"{max(per_projection, 0.0) * blocks / min(times[anchor]):.4%} of the anchor's best over {blocks} calls)")
     if per_call <= 0:
         print("  the idle wrapper itself, micro-timed per block call: below the timer's noise (hooked <= plain)")
     else:
@@ -219,14 +225,18 @@ def steering_variants(lm, layer: int, seed: int = 0) -> dict:
     """{name: (Steering, target or None)}: the unsteered anchor, the targeted add, the extra rows."""
     import numpy as np
 
-    from worker.spec import Intervention, Steering
+    from worker.spec import Intervention, Steering, head_shape
     from worker.steer import hidden_size
 
-    v = np.random.default_rng(seed).standard_normal(hidden_size(lm)).astype(np.float32)
-    vec = tuple(float(a) for a in v / np.linalg.norm(v))
+    def unit(n: int) -> tuple[float, ...]:
+        v = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+        return tuple(float(a) for a in v / np.linalg.norm(v))
 
-    def one(op: str, alpha: float, positions: str = "all", site: str = "resid_post") -> Steering:
-        return Steering(interventions=(Intervention(layer=layer, site=site, op=op, vector=vec, alpha=alpha, positions=positions),))
+    vec, head_vec = unit(hidden_size(lm)), unit(head_shape(lm.config)[1])
+
+    def one(op: str, alpha: float, positions: str = "all", site: str = "resid_post", head: int | None = None) -> Steering:
+        v = head_vec if head is not None else vec
+        return Steering(interventions=(Intervention(layer=layer, site=site, op=op, vector=v, alpha=alpha, positions=positions, head=head),))
 
     return {
         "unsteered (anchor)": (Steering(), None),
@@ -235,6 +245,8 @@ def steering_variants(lm, layer: int, seed: int = 0) -> dict:
         f"clamp, all positions, layer {layer}": (one("clamp", 2.0), None),
         f"add, positions=last, layer {layer}": (one("add", 4.0, "last"), None),
         **{f"add at {site}, layer {layer}": (one("add", 4.0, site=site), ADD_TARGET) for site in ("resid_mid", "attn_out", "mlp_out")},
+        f"add at attn_head, head 0, layer {layer}": (one("add", 4.0, site="attn_head", head=0), ADD_TARGET),
+        f"clamp at attn_head, head 0, layer {layer}": (one("clamp", 2.0, site="attn_head", head=0), None),
     }
 
 

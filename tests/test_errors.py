@@ -246,6 +246,18 @@ def _spec(text: str) -> Setup:
     return setup
 
 
+def _head_spec(text: str) -> Setup:
+    """`_spec`, plus h.npy: one head's width (head_dim 16: the tiny llama's 64 / 4 heads)."""
+
+    def setup(w: World, case: Path) -> list[str]:
+        import numpy as np
+
+        np.save(case / "h.npy", np.linspace(-1, 1, 16).astype(np.float32))
+        return _spec(text)(w, case)
+
+    return setup
+
+
 def _pairs_file(*lines: dict) -> Setup:
     def setup(w: World, case: Path) -> list[str]:
         _file(case / "pairs.jsonl", "".join(json.dumps(line) + "\n" if line else "\n" for line in lines))
@@ -335,7 +347,25 @@ STEERING_ROWS: list[Case] = [  # steering specs, vectors, pairs
          "line 1: position 1 falls in the first 7 tokens, cut off to fit the model's context of 4, of the 11 tokens", common=False,
          setup=_pairs_file(_HAPPY)),
     Case("steer unknown site", "run", [], 1, "steer.yaml: interventions[0].site: 'attn_output' is not allowed (use one of: "
-         "resid_pre, resid_mid, resid_post, attn_out, mlp_out)", setup=_spec("interventions:\n  - {layer: 0, site: attn_output, vector: v.npy}\n")),
+         "resid_pre, resid_mid, resid_post, attn_out, mlp_out, attn_head)", setup=_spec("interventions:\n  - {layer: 0, site: attn_output, vector: v.npy}\n")),
+    Case("steer head out of range", "run", [], 1, "interventions[0].head: 4 is out of range for a model with 4 attention heads (use 0..3)",
+         setup=_head_spec("interventions:\n  - {layer: 0, site: attn_head, head: 4, vector: h.npy}\n")),
+    Case("steer head on a site without heads", "run", [], 1, "steer.yaml: interventions[0].head: `head` applies only to site attn_head, "
+         "not attn_out: remove it or use site: attn_head", setup=_head_spec("interventions:\n  - {layer: 0, site: attn_out, head: 1, vector: v.npy}\n")),
+    Case("steer attn_head without head", "run", [], 1, "steer.yaml: interventions[0].head: site attn_head needs `head: h`",
+         setup=_head_spec("interventions:\n  - {layer: 0, site: attn_head, vector: h.npy}\n")),
+    Case("steer attn_head hidden-size vector", "run", [], 1, "interventions[0].vector: has 64 values but attn_head takes head_dim = 16 values",
+         setup=_head_spec("interventions:\n  - {layer: 1, site: attn_head, head: 2, vector: v.npy}\n")),
+    Case("steer attn_head tensor split", "run", ["--group-size", "2", "--split", "tensor"], 1,
+         "attn_head steering on a tensor-split group: each node holds only some heads of every layer: use --split pipeline",
+         setup=_head_spec("interventions:\n  - {layer: 1, site: attn_head, head: 2, vector: h.npy}\n")),
+    Case("vectors heads out of range", "vectors", [*VEC, "--site", "attn_head", "--heads", "0,9"], 2,
+         "--heads 0,9: head 9 is out of range: the model has 4 heads (0..3 or -4..-1)", common=False, setup=_pairs_file(_HAPPY)),
+    Case("vectors heads without attn_head", "vectors", [*VEC, "--site", "attn_out", "--heads", "1"], 2,
+         "--heads 1: heads apply only to --site attn_head, not attn_out: drop --heads", common=False, setup=_pairs_file(_HAPPY)),
+    Case("vectors attn_head tensor split", "vectors", [*VEC, "--site", "attn_head", "--group-size", "2", "--split", "tensor"], 2,
+         "--site attn_head: a tensor-split group holds each head on one node only: use --split pipeline", common=False,
+         setup=_pairs_file(_HAPPY)),
     Case("vectors unknown site", "vectors", [*VEC, "--site", "mlp_output"], 2, "Invalid value for '--site': 'mlp_output' is not one of",
          common=False, setup=_pairs_file(_HAPPY)),
 ]  # fmt: skip
@@ -349,6 +379,12 @@ SWEEP_ROWS: list[Case] = [  # sweep files and their outputs
     Case("sweep target_score typo", "sweep", SWEEP, 1, "prompts[0].target_score: 'avg' is not allowed (use 'sum' or 'mean')",
          setup=lambda w, case: _sweep(w, case, prompt_set=", target_score: avg"), common=False),
     Case("sweep output is a file", "sweep", ["--workers", "1", "--output", "{case}/f"], 2, "/f' is a file", setup=lambda w, case: [*_a_file(w, case), *_sweep(w, case)], common=False),
+    Case("sweep heads on a site without heads", "sweep", SWEEP, 1, "sweep.yaml: grid: heads: site resid_post has no heads: add "
+         "attn_head to grid.sites, or remove grid.heads", common=False, setup=lambda w, case: _sweep(w, case, alphas="[2.0], heads: all")),
+    Case("sweep head out of range", "sweep", SWEEP, 1, "sweep.yaml: grid.heads: 9 is out of range for a model with 4 attention heads "
+         "(use 0..3, or all)", common=False, setup=lambda w, case: _sweep(w, case, alphas="[2.0], sites: [attn_head], heads: [0, 9]")),
+    Case("sweep head vector of hidden size", "sweep", SWEEP, 1, "sweep.yaml: vectors.v.layers.0: has 64 values but attn_head takes "
+         "head_dim = 16 values", common=False, setup=lambda w, case: _sweep(w, case, alphas="[2.0], sites: [attn_head], heads: [1]")),
 ]  # fmt: skip
 MODEL_ROWS: list[Case] = [  # model files, tokenizer, tasks, run flags, demo
     Case("safetensors truncated", "run", [], 1, "model.safetensors is truncated: ",

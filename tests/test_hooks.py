@@ -40,9 +40,9 @@ def test_no_interventions_is_bitwise_the_plain_model(model_path, lm):
 
 
 def test_unknown_hook_point_is_refused(lm):
-    with pytest.raises(ValueError, match="unknown hook point 'resid_middle.0': use resid_pre.L, resid_mid.L, resid_post.L, attn_out.L, mlp_out.L"):
+    with pytest.raises(ValueError, match="unknown hook point 'resid_middle.0': use resid_pre.L, resid_mid.L, resid_post.L, attn_out.L, mlp_out.L, attn_head.L"):
         lm.hooks.add("resid_middle.0", Capture())
-    for point in ("resid_mid", "attn_out", "mlp_out"):
+    for point in ("resid_mid", "attn_out", "mlp_out", "attn_head"):
         lm.hooks.remove(point + ".0", lm.hooks.add(point + ".0", Capture()))
     with pytest.raises(ValueError, match="unknown hook point"):
         lm.hooks.add(f"resid_post.{lm.hooks.n_layers}", Capture())

@@ -412,3 +412,59 @@ def test_worker_notes_are_printed_once_per_intervention(capsys):
     steer.warn_once([(0.0, False)])  # a plain list (a grid's results): nothing to say
     assert capsys.readouterr().err.strip().splitlines() == [f"warning: {note}"]
     steer._WARNED.clear()
+
+
+# --- attn_head: `head: h`, head_dim vectors, keys of interventions without a head unchanged ---------------------------
+
+
+def test_keys_without_a_head_are_those_from_before_heads_existed():
+    """The result cache stays valid: this digest was computed by worker/spec.py before `head` existed (commit e0e7f41)."""
+    s = Steering(interventions=(
+        Intervention(layer=3, site="attn_out", op="clamp", vector=(1.0, -2.0, 0.5), alpha=2.0, positions="last"),
+        Intervention(layer=-1, vector=(0.25,) * 4),
+    ))  # fmt: skip
+    assert s.key() == "7482d33c4675e65cdef2025d06fc570268be7cfc493768ab6a3bfc4ab10529f3"
+    one, other = (Steering(interventions=(Intervention(layer=0, site="attn_head", head=h, vector=(1.0, 2.0)),)) for h in (0, 1))
+    assert one.key() != other.key()  # the head is part of the key when set
+
+
+def test_head_goes_with_attn_head_only_and_is_checked_against_the_models_heads():
+    with pytest.raises(ValueError, match="site attn_head needs `head: h`"):
+        Intervention(layer=0, site="attn_head", vector=(1.0,))
+    with pytest.raises(ValueError, match="`head` applies only to site attn_head, not resid_post"):
+        Intervention(layer=0, head=1, vector=(1.0,))
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        Intervention(layer=0, site="attn_head", head=-1, vector=(1.0,))
+    s = Steering(interventions=(Intervention(layer=1, site="attn_head", head=3, vector=(1.0, 2.0)),))
+    assert check(s, 4, 8, (4, 2)) == s  # 4 heads of head_dim 2 in a hidden size of 8
+    with pytest.raises(SteeringError, match=r"^interventions\[0\]\.head: 3 is out of range for a model with 3 attention heads \(use 0\.\.2\)$"):
+        check(s, 4, 6, (3, 2))
+    with pytest.raises(SteeringError, match=r"^interventions\[0\]\.vector: has 2 values but attn_head takes head_dim = 4 values"):
+        check(s, 4, 16, (4, 4))
+
+
+def test_attn_heads_default_key_names_layer_and_head(tree):
+    vecs = tree / "vecs"
+    save_file({"attn_head.1.3": np.ones(4, np.float32), "attn_head.3.2": np.full(4, 2.0, np.float32)}, str(vecs / "h.safetensors"))
+    config = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 16, "num_attention_heads": 4}
+    ref = {"file": "h.safetensors"}
+    spec = {"interventions": [{"layer": 1, "site": "attn_head", "head": 3, "vector": ref},
+                              {"layer": -1, "site": "attn_head", "head": 2, "vector": ref}]}  # fmt: skip
+    got = for_model(spec, config, base_dir=vecs).steering.interventions
+    assert [(i.layer, i.head, i.vector[0]) for i in got] == [(1, 3, 1.0), (3, 2, 2.0)]
+    with pytest.raises(SteeringError, match=r"interventions\[0\]\.head: `head` applies only to site attn_head, not attn_out"):
+        for_model(iv(site="attn_out", head=3), config, base_dir=vecs)
+    with pytest.raises(SteeringError, match=r"interventions\[0\]\.head: site attn_head needs `head: h`"):
+        for_model(iv(site="attn_head"), config, base_dir=vecs)
+    with pytest.raises(SteeringError, match="has 5 values but attn_head takes head_dim = 4 values"):
+        for_model(iv(site="attn_head", head=0), config, base_dir=vecs)
+
+
+def test_head_shape_reads_hf_configs():
+    from worker.spec import head_shape
+
+    assert head_shape({"hidden_size": 64, "num_attention_heads": 4}) == (4, 16)
+    assert head_shape({"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32}) == (4, 32)  # qwen3, gemma
+    assert head_shape({"n_embd": 48, "n_head": 3}) == (3, 16)  # gpt2
+    assert head_shape({"text_config": {"hidden_size": 8, "num_attention_heads": 2}}) == (2, 4)
+    assert head_shape({"hidden_size": 8}) == (None, None)

@@ -267,6 +267,13 @@ def test_an_interrupted_sweep_resumes_and_a_grown_grid_computes_only_new_cells(r
         (("max_gen_toks: 6", "max_gen_toks: 6, target_score: avg"), "prompts[0].target_score: 'avg' is not allowed (use 'sum' or 'mean')"),
         (("batch_size: 4,", "batch_size: 4, group_size: 0,"), "model.group_size: too small: give an integer >= 1"),
         (("batch_size: 4,", "batch_size: 4, split: ring,"), "model.split: unknown value (choose one of auto, pipeline, tensor), not 'ring'"),
+        (("layers: all", "layers: all\n  heads: all"), "grid: heads: site resid_post has no heads: add attn_head to grid.sites, or remove grid.heads"),
+        (("layers: all", "layers: all\n  sites: [attn_head]"), "grid: sites: attn_head steers one attention head at a time: give grid.heads"),
+        (("layers: all", "layers: all\n  sites: [attn_head]\n  heads: [0, 4]"),
+         "grid.heads: 4 is out of range for a model with 4 attention heads (use 0..3, or all)"),
+        (("normalize: true}\ngrid:\n  layers: all", "normalize: true, key: 'resid_post.{layer}'}\ngrid:\n  layers: all\n  sites: [attn_head]\n  heads: [1]"),
+         "vectors.v: has 64 values but attn_head takes head_dim = 16 values (one head's output, before the output projection) (layer 0, site attn_head, head 1)"),
+        (("layers: all", "layers: all\n  sites: [attn_out, mlp_output]"), "grid.sites[1]: 'mlp_output' is not allowed (use 'resid_pre', 'resid_mid'"),
     ],
 )
 def test_bad_sweep_files_are_refused_in_one_line_before_any_worker(llama_path, tasks_dir, tmp_path, change, message):
@@ -503,3 +510,184 @@ def test_an_unknown_task_is_refused_before_lm_eval_indexes_its_tasks(llama_path,
     path.write_text(path.read_text().replace("names: [orchard_mc,", "names: [orchard_mcq,"))
     with pytest.raises(sweep_module.SweepError, match="tasks.names: unknown task 'orchard_mcq'"):
         sweep_module.load_sweep(path)
+
+
+# --- every site, and single heads (issue 18) ----------------------------------------------------------------------
+
+
+def site_study(folder: Path, llama_path, tasks_dir, sites: str, vectors: dict[str, np.ndarray], extra: str = "") -> Path:
+    """A prompts-only sweep (targets, no generations) at `sites` (the grid's YAML list) with `vectors` as v.safetensors."""
+    sweep = write_study(folder, llama_path, tasks_dir, tasks=False, alphas=(-2.0, 2.0))
+    save_file(vectors, str(folder / "v.safetensors"))
+    text = sweep.read_text().replace("  layers: all\n", f"  layers: all\n  sites: {sites}\n{extra}")
+    sweep.write_text(text.replace("max_gen_toks: 6}", "max_gen_toks: 6, generate: false}"))
+    return sweep
+
+
+def plain_scores(sweep_path: Path, interventions: list[dict]) -> dict[str, float]:
+    """logprob_positive / _negative / _diff of the prompt set in one plain steered run of the in-process `mlx` model,
+    its steering built from a spec as `driver run` builds it (not from the sweep's configurations)."""
+    from lm_eval.api.instance import Instance
+
+    from driver.lm.mlx import MLXLM
+    from driver.lm.model_setup import model_config
+    from driver.steering.spec import for_model
+    from driver.sweep import load_sweep
+
+    args = {k: v for k, v in load_sweep(sweep_path).model_args.items() if k != "threads"}
+    steering = for_model({"interventions": interventions}, model_config(args["pretrained"], None), base_dir=sweep_path.parent).steering
+    lm = MLXLM(**args, steer=steering) if interventions else MLXLM(**args)
+    requests = [Instance("loglikelihood", {}, (p, t), 0) for p, a, b in PROMPTS for t in (a, b)]
+    scores = np.array([ll for ll, _ in lm.loglikelihood(requests, disable_tqdm=True)])
+    pos, neg = scores[0::2], scores[1::2]
+    return {"logprob_positive": pos.mean(), "logprob_negative": neg.mean(), "logprob_diff": (pos - neg).mean()}
+
+
+def assert_equals_plain_runs(rows: list[dict], sweep_path: Path, spec_of) -> dict:
+    """Every configuration's target scores equal a plain steered run of `spec_of(row)` (one intervention) within 1e-5;
+    returns {config: logprob_diff}."""
+    diffs = {}
+    for config in sorted({r["config"] for r in rows}):
+        mine = {r["metric"]: r for r in rows if r["config"] == config and r["task"] == "prompts"}
+        first = mine["logprob_diff"]
+        want = plain_scores(sweep_path, [] if config == "baseline" else [spec_of(first)])
+        for metric, value in want.items():
+            assert mine[metric]["value"] == pytest.approx(value, rel=1e-5, abs=1e-5), (config, metric)
+        diffs[config] = first["value"]
+    return diffs
+
+
+def test_a_sweep_over_branch_sites_equals_plain_steered_runs_per_site(ray_cluster, llama_path, tasks_dir, tmp_path):
+    """sites [attn_out, mlp_out, resid_mid] on 2 workers: each configuration's numbers equal a plain steered run
+    at that site (layer 0: steered from block 0 on; layer 1: its block 0 shared below the split); results.csv,
+    summary.md and the layers × alphas plots name each site."""
+    import matplotlib.image
+
+    rng = np.random.default_rng(7)
+    sites = ("attn_out", "mlp_out", "resid_mid")
+    vectors = {f"{s}.{i}": rng.standard_normal(HIDDEN).astype(np.float32) for s in sites for i in range(2)}
+    sweep = site_study(tmp_path / "study", llama_path, tasks_dir, "[attn_out, mlp_out, resid_mid]", vectors)
+    out = tmp_path / "out"
+    code, output = sweep_cli(sweep, "--workers", 2, "--output", out)
+    assert code == 0, output
+    rows = report.read_csv(out / "results.csv")
+    assert {(r["site"], r["layer"], r["alpha"], r["head"]) for r in rows if r["config"] != "baseline"} == {
+        (s, layer, a, None) for s in sites for layer in (0, 1) for a in (-2.0, 2.0)}
+
+    def spec_of(r: dict) -> dict:
+        key = f"{r['site']}.{r['layer']}"
+        return {"layer": r["layer"], "site": r["site"], "alpha": r["alpha"], "normalize": True, "vector": {"file": "v.safetensors", "key": key}}
+
+    diffs = assert_equals_plain_runs(rows, sweep, spec_of)
+    assert len({round(d, 4) for d in diffs.values()}) == len(diffs)  # every site, layer and alpha changed the score
+    text = (out / "summary.md").read_text()
+    assert "| v | attn_out, mlp_out, resid_mid | – | 0, 1 |" in text
+    best = max((r for r in rows if r["metric"] == "logprob_diff" and r["config"] != "baseline"), key=lambda r: r["value"])
+    assert f"| prompts | logprob_diff | {summary._num(diffs['baseline'])} | {label(best)} (highest) |" in text
+    heat = tuple(int(x * plots.DPI) for x in reversed(plots.heatmap_size(2, [3, 3, 3])))  # one panel per site
+    image = matplotlib.image.imread(out / "plots" / "heatmap-prompts-logprob_diff.png")
+    assert image.shape[:2] == heat
+    assert not list((out / "plots").glob("heads-*.png"))
+
+
+HEADS, HEAD_DIM = 4, 16  # conftest's tiny llama: 4 attention heads of 16
+
+
+def test_a_head_sweep_equals_plain_steered_runs_per_head_and_draws_layers_by_heads(ray_cluster, llama_path, tasks_dir, tmp_path):
+    """sites [attn_head], heads all (the model's 4), vectors keyed attn_head.{layer}.{head} as `driver vectors --heads
+    all` writes them: each configuration equals a plain steered run at that head; the report names each head and
+    draws a layers × heads heatmap per metric (one panel per alpha), no layers × alphas plots."""
+    import matplotlib.image
+
+    rng = np.random.default_rng(11)
+    vectors = {f"attn_head.{layer}.{h}": rng.standard_normal(HEAD_DIM).astype(np.float32) for layer in range(2) for h in range(HEADS)}
+    sweep = site_study(tmp_path / "study", llama_path, tasks_dir, "[attn_head]", vectors, extra="  heads: all\n")
+    out = tmp_path / "out"
+    code, output = sweep_cli(sweep, "--workers", 2, "--output", out)
+    assert code == 0, output
+    rows = report.read_csv(out / "results.csv")
+    assert {(r["site"], r["layer"], r["head"], r["alpha"]) for r in rows if r["config"] != "baseline"} == {
+        ("attn_head", layer, h, a) for layer in (0, 1) for h in range(HEADS) for a in (-2.0, 2.0)}
+
+    def spec_of(r: dict) -> dict:
+        key = f"attn_head.{r['layer']}.{r['head']}"
+        return {"layer": r["layer"], "site": "attn_head", "head": r["head"], "alpha": r["alpha"], "normalize": True,
+                "vector": {"file": "v.safetensors", "key": key}}  # fmt: skip
+
+    diffs = assert_equals_plain_runs(rows, sweep, spec_of)
+    assert len({round(d, 4) for d in diffs.values()}) == len(diffs)  # every head changed the score its own way
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert pngs == sorted(f"heads-prompts-{m}.png" for m in ("logprob_positive", "logprob_negative", "logprob_diff", "p_positive"))
+    heat = tuple(int(x * plots.DPI) for x in reversed(plots.heatmap_size(2, [HEADS, HEADS])))  # alphas -2 and 2
+    for png in pngs:
+        image = matplotlib.image.imread(out / "plots" / png)
+        assert image.shape[:2] == heat and image.std() > 0.01, png
+    text = (out / "summary.md").read_text()
+    assert "| v | attn_head | 0, 1, 2, 3 | 0, 1 |" in text and "(plots/heads-prompts-logprob_diff.png)" in text
+    best = max((r for r in rows if r["metric"] == "logprob_diff" and r["config"] != "baseline"), key=lambda r: r["value"])
+    assert f"v L{best['layer']} attn_head head {best['head']} add α={best['alpha']:g} (all) (highest)" in text
+    configurations = json.loads((out / "run.json").read_text())["configurations"]
+    assert {c["head"] for c in configurations} == {None, *range(HEADS)}
+
+
+def test_a_site_the_models_blocks_lack_is_refused_in_one_line_before_any_worker(llama_path, tasks_dir, tmp_path):
+    """resid_mid on a family whose blocks run attention and MLP in parallel (config.json's model_type says so): the
+    sweep file is refused as a `driver run` spec is (driver.steering.spec.for_model), before anything starts."""
+    import shutil
+
+    model = tmp_path / "parallel"
+    shutil.copytree(llama_path, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "cohere"}))
+    vectors = {f"{s}.{i}": np.ones(HIDDEN, dtype=np.float32) for s in ("attn_out", "resid_mid") for i in range(2)}
+    sweep = site_study(tmp_path / "study", model, tasks_dir, "[attn_out, resid_mid]", vectors)
+    code, output = sweep_cli(sweep, "--workers", "1", "--address", "127.0.0.1:1", "--output", tmp_path / "out")
+    errors = [line for line in output.splitlines() if line.startswith("Error:")]
+    assert code == 1 and len(errors) == 1, output
+    assert "vectors.v.site: the cohere block runs attention and MLP in parallel on the same input, so it has no resid_mid" in errors[0]
+    assert "(layer 0, site resid_mid)" in errors[0] and not (tmp_path / "out").exists()
+
+
+def test_a_grid_of_a_site_beside_heads_draws_each_its_own_plot():
+    """attn_out (layers × alphas, lines) and attn_head (layers × heads, one panel per alpha) in one grid: each row
+    lands in its own plot, each cell its own value."""
+    import io
+
+    import matplotlib.image
+
+    def row(site, layer, alpha, head=None):
+        delta = (layer or 0) + 10 * alpha + (0 if head is None else 100 * (head + 1))
+        return {"config": f"{site}.{layer}.{head}.{alpha}", "vector": "v", "site": site, "head": head, "layer": layer, "op": "add",
+                "positions": "all", "alpha": alpha, "value": delta, "delta": delta, "stderr": None}  # fmt: skip
+
+    rows = [{**row(None, None, 0.0), "config": "baseline", "value": 0.0, "delta": 0.0}]
+    rows += [row("attn_out", layer, a) for layer in (0, 1) for a in (-2.0, 2.0)]
+    rows += [row("attn_head", layer, 2.0, h) for layer in (0, 1) for h in range(3)]
+    sites, heads = plots.facets(rows), plots.facets(rows, plots.HEADS)
+    assert list(sites) == [("v", "attn_out", "add", "all")] and list(heads) == [("v", "attn_head", "add", "all", 2.0)]
+    assert plots.panel_axes(heads[("v", "attn_head", "add", "all", 2.0)], plots.HEADS) == ([0, 1], [0, 1, 2])
+    assert plots.panel_axes(sites[("v", "attn_out", "add", "all")]) == ([0, 1], [-2.0, 0.0, 2.0])
+    for png, size in ((plots.heatmap("t", "m", rows, plots.HEADS), plots.heatmap_size(2, [3])),
+                      (plots.heatmap("t", "m", rows), plots.heatmap_size(2, [3])), (plots.lines("t", "m", rows), plots.lines_size(1))):
+        image = matplotlib.image.imread(io.BytesIO(png))
+        assert image.shape[:2] == tuple(int(x * plots.DPI) for x in reversed(size)) and image.std() > 0.01
+    assert summary._config_label(rows[-1]) == "v L1 attn_head head 2 add α=2 (all)"
+
+
+def test_a_npy_of_head_dim_values_steers_each_listed_head(llama_path, tasks_dir, tmp_path):
+    """`heads: [0, 2]` with one .npy of head_dim values per layer: a configuration per (layer, head), each that vector
+    at its own head; its results record names the head."""
+    from driver.sweep import load_sweep
+
+    sweep = site_study(tmp_path, llama_path, tasks_dir, "[attn_head]", {}, extra="  heads: [0, 2]\n")
+    per_layer = {layer: np.arange(HEAD_DIM, dtype=np.float32) + 100 * layer for layer in (0, 1)}
+    for layer, v in per_layer.items():
+        np.save(tmp_path / f"h{layer}.npy", v)
+    sweep.write_text(sweep.read_text().replace("v: {file: v.safetensors, normalize: true}", "v: {layers: {0: h0.npy, 1: h1.npy}}"))
+    grid = load_sweep(sweep).grid
+    assert [(c.layer, c.head, c.alpha) for c in grid] == [(layer, h, a) for layer in (0, 1) for h in (0, 2) for a in (-2.0, 2.0)]
+    for c in grid:
+        (iv,) = c.steering.interventions
+        assert (iv.site, iv.layer, iv.head, iv.alpha) == ("attn_head", c.layer, c.head, c.alpha)
+        assert np.array_equal(np.asarray(iv.vector, dtype=np.float32), per_layer[c.layer])
+        assert c.record["spec"]["interventions"][0]["head"] == c.head and c.id == f"v.attn_head.L{c.layer}.h{c.head}.add.all.a{c.alpha:+g}"

@@ -471,3 +471,32 @@ def test_driver_vectors_at_each_site_keys_site_and_layer_and_steers_from_a_spec(
     config = json.loads((stories_path / "config.json").read_text())
     steering = for_model(spec, config, base_dir=tmp_path).steering
     assert np.array_equal(np.asarray(steering.interventions[0].vector, np.float32), found["attn_out"])
+
+
+# --- capture at attn_head: one vector per layer and head ---------------------------------------------------------
+
+
+def test_driver_vectors_at_attn_head_keys_layer_and_head_and_steers_from_a_spec(stories_path, tmp_path):
+    from driver.steering.spec import for_model
+
+    pairs = tmp_path / "pairs.jsonl"
+    read = write_pairs(pairs, HAPPY, {"positive": "Tom was glad", "negative": "Tom was angry"})
+    out = tmp_path / "heads.safetensors"
+    proc = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, "--site", "attn_head", "--heads", "0,-1",
+                    "--layers", "1,3", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with safe_open(str(out), "np") as f:
+        assert list(f.keys()) == ["attn_head.1.0", "attn_head.1.7", "attn_head.3.0", "attn_head.3.7"]
+        assert (f.metadata()["site"], f.metadata()["heads"], f.metadata()["head_dim"]) == ("attn_head", "0,7", "8")
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    # each head's mean-diff is that head's slice (8 values of the 64 the output projection reads) of the pairs' captures
+    lm = load(str(stories_path))
+    acts = np.stack(capture(lm, capture_requests(head_encoder(stories_path), read, -1), ["attn_head.1", "attn_head.3"]))
+    diff = (acts[:2] - acts[2:]).astype(np.float64).mean(axis=0)
+    for j, layer in enumerate((1, 3)):
+        for head in (0, 7):
+            np.testing.assert_allclose(got[f"attn_head.{layer}.{head}"], diff[j, head * 8:(head + 1) * 8], atol=1e-5)
+    spec = {"interventions": [{"layer": 3, "site": "attn_head", "head": 7, "vector": {"file": str(out)}}]}
+    config = json.loads((stories_path / "config.json").read_text())
+    steering = for_model(spec, config, base_dir=tmp_path).steering
+    assert np.array_equal(np.asarray(steering.interventions[0].vector, np.float32), got["attn_head.3.7"])

@@ -1,4 +1,5 @@
-"""Capture kernel: the residual stream (or a branch output: attn_out, mlp_out) at one position of each request, over token ids. No Ray, no lm-eval.
+"""Capture kernel: the residual stream (or a branch output: attn_out, mlp_out; or the heads' outputs side by side,
+attn_head: [heads*head_dim]) at one position of each request, over token ids. No Ray, no lm-eval.
 
 A request is `(tokens, position)`; the result is a float32 [len(points), hidden] array per request, read at
 hook points such as `resid_post.3` after every hook already installed there (steering runs first). Rows
@@ -13,14 +14,21 @@ import mlx.core as mx
 import numpy as np
 
 from .hooks import HookContext, Rows
-from .spec import Batching
+from .spec import Batching, head_shape
 from .split.pipeline import shared_rows
+
+
+def _width(lm, point: str, h: mx.array) -> int:
+    """What `point` holds per token: heads*head_dim at attn_head (from the config), else the hidden size."""
+    heads, head_dim = head_shape(lm.config)
+    return heads * head_dim if point.startswith("attn_head.") and heads and head_dim else h.shape[-1]
 
 
 class _Gather:
     """Capture hook: the rows of the flattened [B*S, D] stream listed in `at` (set per forward), as float32."""
 
-    def __init__(self) -> None:
+    def __init__(self, point: str = "") -> None:
+        self.point = point
         self.at: mx.array | None = None
         self.out: mx.array | None = None
 
@@ -76,14 +84,16 @@ def _forward(lm, rows: list[tuple[int, ...]], wanted: list[list[tuple[int, int]]
         # Only the gathered rows are evaluated: MLX never computes blocks past the deepest point, nor the head.
         h = lm.head.body(mx.array(padded))
     if lm.grouping is not None and lm.grouping.split == "pipeline":  # each point is read on the rank owning it
-        return index, shared_rows(lm.group, [g.out for g in gathers], h, len(flat))
+        outs = [g.out if g.out is not None else mx.zeros((len(flat), _width(lm, g.point, h)), mx.float32) for g in gathers]
+        return index, shared_rows(lm.group, outs, h, len(flat))
     return index, mx.stack([g.out for g in gathers], axis=1)
 
 
 def capture(
     lm, requests: Sequence[tuple[Sequence[int], int]], points: Sequence[str], batching: Batching | None = None
 ) -> list[np.ndarray]:
-    """Per request, in order: a float32 [len(points), hidden] array of the residual stream at its position.
+    """Per request, in order: a float32 [len(points), hidden] array of the residual stream at its position
+    (attn_head points: [len(points), heads*head_dim]; one job's points must all have the same width).
 
     `position` indexes the request's tokens, negative from the end (-1: the last token); one outside them
     is a ValueError. Tokens longer than `lm.max_length` keep their last max_length tokens (left-truncation,
@@ -106,7 +116,7 @@ def capture(
         for i, a in zip(index, np.array(out)):  # the one host sync of the batch
             results[i] = a
 
-    gathers = [_Gather() for _ in points]
+    gathers = [_Gather(point) for point in points]
     pending = None
     with lm.hooks.installed(list(zip(points, gathers))):
         for batch in _batches(keys, batching):

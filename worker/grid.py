@@ -40,7 +40,7 @@ from .hooks import Hook, Rows, decoder_layers
 from .load import LoadedModel
 from .prefix_cache import blocks, prompt_sharers
 from .score import Row, _batches, _broadcast, _families, _rows, _score_batch, loglikelihood
-from .spec import Batching, Steering
+from .spec import Batching, Steering, head_shape
 from .steer import hidden_size, hooks_for
 
 __all__ = ["GRID_BLOCK", "distinct", "grid_generate", "grid_loglikelihood", "run_grid", "shares_lower", "split_point"]
@@ -258,7 +258,7 @@ def _padded(batch: list[Row], prefix: int) -> tuple[mx.array, Rows]:
 def _installs(lm: LoadedModel, steerings: Sequence[Steering]) -> list[list[tuple[str, Hook]]]:
     """Each configuration's hooks, built (and checked against the model) once for the whole call."""
     hidden = hidden_size(lm) if any(steerings) else 0
-    return [hooks_for(s, lm.n_layers, hidden) if s else [] for s in steerings]
+    return [hooks_for(s, lm.n_layers, hidden, heads=head_shape(lm.config)) if s else [] for s in steerings]
 
 
 def _split_of(install: list[tuple[str, Hook]], n_layers: int) -> int:

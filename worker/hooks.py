@@ -1,5 +1,6 @@
-"""Hook points of mlx-lm decoder blocks: the residual stream `resid_pre.{L}`, `resid_mid.{L}`, `resid_post.{L}`
-and the branch outputs `attn_out.{L}`, `mlp_out.{L}` (what each branch adds to the residual stream).
+"""Hook points of mlx-lm decoder blocks: the residual stream `resid_pre.{L}`, `resid_mid.{L}`, `resid_post.{L}`,
+the branch outputs `attn_out.{L}`, `mlp_out.{L}` (what each branch adds to the residual stream) and the heads'
+outputs `attn_head.{L}` (the input of the attention's output projection, [batch, seq, heads*head_dim]).
 
 `instrument(model)` swaps each decoder block's class for a subclass whose `__call__` runs the hooks around
 the original one. The block stays the same object, so attribute reads (`use_sliding`, ...), any call
@@ -27,10 +28,12 @@ import mlx.core as mx
 from .spec import parallel_block
 
 POSITIONS = ("all", "prompt", "continuation", "last")
-HOOK_POINTS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+HOOK_POINTS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "attn_head")
 # What each family names its branches, and the norms applied to a branch's output before the residual add.
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn", "mlp_block")
+# What the attention module names its output projection, whose input is the heads' outputs side by side.
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
 
 
 @dataclass
@@ -260,6 +263,35 @@ def _hooked_branch(cls: type) -> type:
     return _BRANCHES[cls]
 
 
+_PROJECTIONS: dict[type, type] = {}
+
+
+def _hooked_projection(cls: type) -> type:
+    """The output projection's class, running the `attn_head` hooks on its input (the heads' outputs)."""
+    if cls not in _PROJECTIONS:
+
+        def __call__(self, x, *args: Any, **kwargs: Any):
+            hooks: HookManager = self._orchard_hooks
+            if hooks.active:
+                x = hooks.run(f"attn_head.{self._orchard_layer}", x, self._orchard_layer)
+            return cls.__call__(self, x, *args, **kwargs)
+
+        _PROJECTIONS[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "_orchard_projection": True})
+    return _PROJECTIONS[cls]
+
+
+def _instrument_heads(block, layer: int, hooks: HookManager) -> None:
+    attention = next((getattr(block, n) for n in ATTENTION_NAMES if callable(getattr(block, n, None))), None)
+    projection = next((getattr(attention, n) for n in OUTPUT_PROJECTIONS if callable(getattr(attention, n, None))), None)
+    if projection is None:
+        where = "an attention module" if attention is None else f"an output projection ({' / '.join(OUTPUT_PROJECTIONS)}) in its attention"
+        hooks.missing.setdefault("attn_head", f"its blocks expose no {where}, so single heads cannot be reached")
+        return
+    if not getattr(projection, "_orchard_projection", False):
+        projection.__class__ = _hooked_projection(type(projection))
+    projection._orchard_layer, projection._orchard_hooks = layer, hooks
+
+
 def _branch_modules(block) -> dict[str, Any]:
     """{"attn_out": module, "mlp_out": module} whose outputs the block adds to its residual stream."""
     def first(names):
@@ -316,6 +348,7 @@ def instrument(model) -> HookManager:
         block._orchard_layer = i
         block._orchard_hooks = hooks
         _instrument_branches(block, i, hooks)
+        _instrument_heads(block, i, hooks)
     if "attn_out" in hooks.missing:
         hooks.missing["resid_mid"] = "resid_mid is edited through the attention branch, which its blocks do not expose"
     elif _parallel(model, layers[0]):

@@ -15,7 +15,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "attn_head")
+HEAD_SITES = ("attn_head",)  # sites of one attention head (`head: h`): vectors of length head_dim, not hidden size
 # Families whose blocks run attention and MLP on the same input (x + attn(n(x)) + mlp(n(x))): no resid_mid.
 # gpt_neox and stablelm say so per model, in `use_parallel_residual` (gpt_neox's default: true).
 PARALLEL_FAMILIES = ("phi", "phixtral", "cohere", "cohere2")
@@ -28,10 +29,25 @@ def parallel_block(family: str, use_parallel_residual: object) -> bool:
 def missing_sites(config: dict) -> dict[str, str]:
     """{site: why} for the sites a model's blocks lack, read off its config.json (the worker's hooks agree)."""
     family = str(config.get("model_type", "model"))
+    missing = {}
+    if not head_shape(config)[0]:
+        missing["attn_head"] = f"the {family} config.json names no number of attention heads, so single heads cannot be told apart"
     if parallel_block(family, config.get("use_parallel_residual", family == "gpt_neox")):
-        return {"resid_mid": f"the {family} block runs attention and MLP in parallel on the same input, so it has "
-                             "no resid_mid: steer attn_out or mlp_out"}  # fmt: skip
-    return {}
+        missing["resid_mid"] = (f"the {family} block runs attention and MLP in parallel on the same input, so it has "
+                                "no resid_mid: steer attn_out or mlp_out")  # fmt: skip
+    return missing
+
+
+def head_shape(config: dict) -> tuple[int | None, int | None]:
+    """(attention heads, head_dim) from an HF config.json dict (top level, then `text_config`); None if absent.
+    head_dim is the config's own when it names one (qwen3, gemma), else hidden size / heads."""
+    for source in (config, config.get("text_config") or {}):
+        heads = next((source[k] for k in ("num_attention_heads", "n_head", "n_heads") if isinstance(source.get(k), int)), None)
+        if heads:
+            width = next((source[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(source.get(k), int)), None)
+            dim = source.get("head_dim") if isinstance(source.get("head_dim"), int) else (width // heads if width else None)
+            return heads, dim
+    return None, None
 
 
 class SteeringError(ValueError):
@@ -73,6 +89,27 @@ def steering_overflow(alpha: float, vector: np.ndarray, op: str, normalize: bool
 
 
 POSITIONS = ("all", "prompt", "continuation", "last")
+
+
+def head_problem(site: str, head: int | None) -> str | None:
+    """Why `head` does not go with `site` (attn_head needs one, every other site has none); None when it does."""
+    if site in HEAD_SITES and head is None:
+        return f"site {site} needs `head: h` (which attention head, 0-based)"
+    if site not in HEAD_SITES and head is not None:
+        return f"`head` applies only to site {' / '.join(HEAD_SITES)}, not {site}: remove it or use site: attn_head"
+    return None
+
+
+def width_problem(site: str, length: int, hidden: int | None, head_dim: int | None) -> str | None:
+    """Why a vector of `length` values does not fit `site` of a model (None: it fits, or the width is unknown)."""
+    if site in HEAD_SITES:
+        if head_dim is not None and length != head_dim:
+            return f"has {length} values but {site} takes head_dim = {head_dim} values (one head's output, before the output projection)"
+        return None
+    if hidden is not None and length != hidden:
+        return (f"has {length} values but the model's hidden size is {hidden} (use a vector made for this model, "
+                "e.g. by `driver vectors`)")  # fmt: skip
+    return None
 
 
 class ModelSpec(BaseModel):
@@ -121,9 +158,10 @@ class Intervention(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layer: int
-    site: Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"] = "resid_post"
+    site: Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "attn_head"] = "resid_post"
     op: Literal["add", "replace", "ablate", "clamp"] = "add"
     vector: tuple[float, ...] = Field(repr=False)
+    head: int | None = Field(default=None, ge=0, description="attn_head only: which head's output (before o_proj)")
     alpha: float = 1.0
     positions: Literal["all", "prompt", "continuation", "last"] = "all"
     normalize: bool = False
@@ -145,6 +183,13 @@ class Intervention(BaseModel):
         if problem:
             raise ValueError(problem)
         return a
+
+    @model_validator(mode="after")
+    def _head_with_its_site(self) -> "Intervention":
+        problem = head_problem(self.site, self.head)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _finite_product(self) -> "Intervention":
@@ -177,8 +222,9 @@ class Steering(BaseModel):
     def __bool__(self) -> bool:
         return bool(self.interventions)
 
-    def resolve(self, n_layers: int | None, hidden: int | None) -> "Steering":
-        """Checked against a model's shape (None skips that check), negative layers made non-negative."""
+    def resolve(self, n_layers: int | None, hidden: int | None, heads: tuple[int | None, int | None] = (None, None)) -> "Steering":
+        """Checked against a model's shape (None skips that check; `heads`: its (attention heads, head_dim)),
+        negative layers made non-negative."""
         out = []
         for i, iv in enumerate(self.interventions):
             layer = iv.layer
@@ -189,11 +235,11 @@ class Steering(BaseModel):
                         f"interventions[{i}].layer: {iv.layer} is out of range for a model with {n_layers} layers "
                         f"(use 0..{n_layers - 1}, or -{n_layers}..-1 from the end)"
                     )
-            if hidden is not None and len(iv.vector) != hidden:
-                raise SteeringError(
-                    f"interventions[{i}].vector: has {len(iv.vector)} values but the model's hidden size is "
-                    f"{hidden} (use a vector made for this model, e.g. by `driver vectors`)"
-                )
+            if iv.head is not None and heads[0] is not None and iv.head >= heads[0]:
+                raise SteeringError(f"interventions[{i}].head: {iv.head} is out of range for a model with {heads[0]} attention heads (use 0..{heads[0] - 1})")
+            problem = width_problem(iv.site, len(iv.vector), hidden, heads[1])
+            if problem:
+                raise SteeringError(f"interventions[{i}].vector: {problem}")
             out.append(iv if layer == iv.layer else iv.model_copy(update={"layer": layer}))
         return Steering(interventions=tuple(out))
 
@@ -201,7 +247,9 @@ class Steering(BaseModel):
         """A digest of everything that changes a number (vectors by their float32 bytes); '' when empty."""
         if not self.interventions:
             return ""
-        rows = [{**i.model_dump(exclude={"vector"}), "vector": i.vector_sha256()} for i in self.interventions]
+        # `head` only when set: the keys of interventions without one stay those of before heads existed
+        rows = [{**i.model_dump(exclude={"vector"} | ({"head"} if i.head is None else set())), "vector": i.vector_sha256()}
+                for i in self.interventions]  # fmt: skip
         return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 

@@ -8,6 +8,9 @@ other position, pads included, exactly as it was; it computes in `x`'s dtype. Wi
     ablate   x - (x.u)u
     clamp    x + (alpha - x.u)u     (the component along u becomes alpha)
 
+At `attn_head.L` (the heads' outputs side by side, [batch, seq, heads*head_dim]) an op with `head: h` runs
+on that head's columns h*d:(h+1)*d only (`OnHead`); the other heads' columns stay exactly as they were.
+
 Ops carry `.positions` so the scoring kernel knows when prompt and continuation must be told apart
 (`HookManager.splits_prompt`). `worker.hooks` is the mechanism; this module only says what to do.
 
@@ -28,9 +31,9 @@ import numpy as np
 
 from .hooks import POSITIONS, Capture, Hook, HookContext, Rows
 from .load import model_shape
-from .spec import Steering, SteeringError
+from .spec import HEAD_SITES, Steering, SteeringError, head_shape
 
-__all__ = ["OPS", "Ablate", "Add", "Clamp", "Replace", "SteeringError", "hidden_size", "hooks_for", "steered"]
+__all__ = ["OPS", "Ablate", "Add", "Clamp", "OnHead", "Replace", "SteeringError", "hidden_size", "hooks_for", "steered"]
 
 # ‖α·v‖ over this many times the residual norm swamps the stream: what differs between inputs is under a tenth
 # of what the next block's norm layer sees. Measured on TinyStories-260K (add at layer 3, a random unit direction,
@@ -155,19 +158,49 @@ class Clamp(_Op):
 OPS: dict[str, type[_Op]] = {"add": Add, "replace": Replace, "ablate": Ablate, "clamp": Clamp}
 
 
-def hooks_for(steering: Steering | None, n_layers: int, hidden: int, look: bool = False) -> list[tuple[str, Hook]]:
+class OnHead:
+    """`op` on head `head`'s columns of the heads' outputs [B, S, heads*d] (d: the op's vector length), the
+    other columns untouched; `heads`, when known, is checked against the width the model hands over."""
+
+    def __init__(self, op: _Op, head: int, heads: int | None = None) -> None:
+        self.op, self.head, self.heads = op, head, heads
+        self.positions = op.positions
+
+    @property
+    def note(self) -> str | None:
+        return self.op.note
+
+    def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
+        d, width = self.op.vector.shape[0], x.shape[-1]
+        n = self.heads or width // d
+        if width != n * d or self.head >= n:
+            raise SteeringError(
+                f"{ctx.name}: the attention hands its output projection {width} values per token, not heads x head_dim "
+                f"= {n} x {d} with head {self.head} among them: this model's heads cannot be steered one by one"
+            )
+        lo, hi = self.head * d, (self.head + 1) * d
+        return mx.concatenate([x[..., :lo], self.op(x[..., lo:hi], ctx), x[..., hi:]], axis=-1)
+
+    def __repr__(self) -> str:
+        return f"OnHead({self.op!r}, head={self.head})"
+
+
+def hooks_for(steering: Steering | None, n_layers: int, hidden: int, look: bool = False,
+              heads: tuple[int | None, int | None] = (None, None)) -> list[tuple[str, Hook]]:  # fmt: skip
     """(hook point, op) per intervention, in order; negative layers count from the end. `look`: each op notes,
-    on its first forward, steering that swamps the residual stream or overflows its dtype (one sync each)."""
+    on its first forward, steering that swamps the residual stream or overflows its dtype (one sync each).
+    `heads`: the model's (attention heads, head_dim), which attn_head interventions are checked against."""
     out: list[tuple[str, Hook]] = []
-    for i, iv in enumerate(steering.resolve(n_layers, hidden).interventions if steering else ()):
+    for i, iv in enumerate(steering.resolve(n_layers, hidden, heads).interventions if steering else ()):
         if iv.normalize and not any(iv.vector):
             raise SteeringError(f"interventions[{i}].vector: all zeros: pass a nonzero vector or normalize=false")
-        label = f"interventions[{i}] ({iv.op} at {iv.site} layer {iv.layer})"
+        head = f" head {iv.head}" if iv.head is not None else ""
+        label = f"interventions[{i}] ({iv.op} at {iv.site} layer {iv.layer}{head})"
         try:
             op = OPS[iv.op](iv.array(), iv.alpha, iv.positions, label, look)
         except SteeringError as e:
             raise SteeringError(f"interventions[{i}].{e}") from None
-        out.append((f"{iv.site}.{iv.layer}", op))
+        out.append((f"{iv.site}.{iv.layer}", OnHead(op, iv.head, heads[0]) if iv.site in HEAD_SITES else op))
     return out
 
 
@@ -192,7 +225,10 @@ def steered(lm, steering: Steering | None, notes: list[str] | None = None) -> It
     if not steering:
         yield
         return
-    hooks = hooks_for(steering, lm.n_layers, hidden_size(lm), look=notes is not None)
+    heads = head_shape(lm.config)
+    if getattr(lm.grouping, "split", None) == "tensor" and any(iv.site in HEAD_SITES for iv in steering.interventions):
+        raise SteeringError("attn_head: a tensor-split group holds each head on one rank only: use --split pipeline")
+    hooks = hooks_for(steering, lm.n_layers, hidden_size(lm), look=notes is not None, heads=heads)
     with lm.hooks.installed(hooks):
         yield
     if notes is not None:

@@ -112,10 +112,20 @@ def check_tokenizer(folder: Path, apply_chat_template: bool = False) -> None:
         )
 
 
-def check_steering(steer: str, config: dict) -> None:
+def check_steering(steer: str, config: dict):
+    """The spec's `worker.spec.Steering` for this model, every problem refused in one line."""
     from driver.steering.spec import SteeringError, for_model
 
     try:
-        for_model(steer, config)
+        return for_model(steer, config).steering
     except (SteeringError, ValueError, OSError) as e:
         raise Refused((str(e).strip().splitlines() or [type(e).__name__])[0]) from None
+
+
+def check_heads_split(steering, grouping) -> None:
+    """attn_head steering on a tensor-split group refused: each rank holds only some heads of every layer."""
+    from worker.spec import HEAD_SITES
+
+    heads = [iv for iv in (steering.interventions if steering else ()) if iv.site in HEAD_SITES]
+    if heads and grouping.size > 1 and grouping.split == "tensor":
+        raise Refused(f"{heads[0].site} steering on a tensor-split group: each node holds only some heads of every layer: use --split pipeline")

@@ -18,7 +18,7 @@ from driver.checks.cluster import check_address, check_address_syntax, check_wor
 from driver.checks.fewshot import check_fewshot
 from driver.checks.files import check_cache, writable_folder
 from driver.checks.groups import for_command, tell_chosen
-from driver.checks.model import check_model, check_steering, check_tokenizer, model_config
+from driver.checks.model import check_heads_split, check_model, check_steering, check_tokenizer, model_config
 from driver.checks.tasks import check_tasks, task_manager
 from driver.cli.errors import resumable, usage_errors
 from driver.lm.evaluation import DATASET_HINT, Plan, evaluate, open_model, parse_seeds, save
@@ -186,7 +186,8 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
     folder = check_model(model, extra.get("revision"), extra.get("adapter_path"))
     check_tokenizer(folder, apply_chat_template)
     names = check_tasks(tasks, include_path)
-    if steer:
-        check_steering(steer, model_config(folder))
+    steering = check_steering(steer, model_config(folder)) if steer else None
     check_address(address)
-    return names, for_command(*group, model=model, folder=folder, address=address)
+    grouping = for_command(*group, model=model, folder=folder, address=address)
+    check_heads_split(steering, grouping)
+    return names, grouping

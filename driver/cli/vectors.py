@@ -16,7 +16,7 @@ from driver.checks.model import check_model, check_tokenizer, model_config
 from driver.cli.errors import one_line, usage_errors
 from driver.cli.run import GROUP_HELP, SPLIT_HELP
 from driver.lm.evaluation import lost_workers_line, on_workers, open_model
-from worker.spec import SITES
+from worker.spec import HEAD_SITES, SITES, head_shape, missing_sites
 
 VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads",
                  "group_size": "--group-size", "split": "--split"}  # fmt: skip
@@ -27,7 +27,9 @@ VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--
 @click.option("--pairs", required=True, help='JSONL of contrastive pairs: {"positive": ..., "negative": ...} (+ optional "prompt").')
 @click.option("--layers", default="all", show_default=True, help="Comma-separated layers (negative: from the end), or all.")
 @click.option("--site", type=click.Choice(list(SITES)), default="resid_post", show_default=True,
-              help="resid_pre / resid_mid / resid_post: the residual stream; attn_out / mlp_out: a branch output.")
+              help="resid_pre / resid_mid / resid_post: the residual stream; attn_out / mlp_out: a branch output; "
+                   "attn_head: each head's output before the output projection (one vector per head, see --heads).")
+@click.option("--heads", default=None, help="With --site attn_head: comma-separated heads, or all (the default).")
 @click.option("--method", type=click.Choice(["mean-diff", "pca-diff", "pca-center"]), default="mean-diff", show_default=True)
 @click.option("--position", default="last", show_default=True, help="Token whose activations are read: last, or an index (-2: second to last).")
 @click.option("--out", required=True, help="The .safetensors file to write.")
@@ -39,10 +41,11 @@ VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--
 @click.option("--group-size", "--group_size", "group_size", default="1", show_default=True, help=GROUP_HELP)
 @click.option("--split", default="auto", show_default=True, help=SPLIT_HELP)
 def vectors(
-    model: str, pairs: str, layers: str, site: str, method: str, position: str, out: str, workers: str,
+    model: str, pairs: str, layers: str, site: str, heads: str | None, method: str, position: str, out: str, workers: str,
     address: str | None, model_args: str, threads: int | None, cache: str | None, group_size: str, split: str,
 ) -> None:  # fmt: skip
-    """Extract steering vectors from contrastive PAIRS: one per layer, written to OUT (usable as a spec's `vector`).
+    """Extract steering vectors from contrastive PAIRS: one per layer (per layer and head at attn_head: keys
+    `attn_head.L.h`), written to OUT (usable as a spec's `vector`).
 
     Every pair's two texts run on the workers; the activations at POSITION are combined in a fixed order
     (mean difference by default), so the vectors do not depend on the number of workers. Each text's
@@ -79,6 +82,7 @@ def vectors(
         resolved = vec.parse_layers(layers, model_shape(config)[0])
     except ValueError as e:
         raise BadUsage(f"--layers {layers}: {one_line(str(e))}") from None
+    chosen_heads, head_dim = _heads(heads, site, config)
     encode = vec.head_encoder(folder, bool(args.get("trust_remote_code")))
     try:  # every pair tokenized on the head as the capture will be, before Ray starts
         vec.check_pairs(pairs, read, encode, method, at, context_window(config, args.get("max_length")))
@@ -86,6 +90,8 @@ def vectors(
         raise Refused(one_line(str(e))) from None
     check_address(address)
     grouping = for_command(size, split, workers, model=model, folder=folder, address=address)
+    if site in HEAD_SITES and grouping.size > 1 and grouping.split == "tensor":
+        raise BadUsage("--site attn_head: a tensor-split group holds each head on one node only: use --split pipeline")
     args |= {"group_size": grouping.size, "split": grouping.split}
     for name, value in (("address", address), ("threads", threads)):
         if value is not None:
@@ -94,7 +100,7 @@ def vectors(
     tell_chosen(size, split, grouping)
     try:
         capture = lambda requests, points: lm.executor.run(lm.job("capture", points=tuple(points)), requests)  # noqa: E731
-        found = vec.extract(capture, encode, read, resolved, site, method, at)
+        found = vec.extract(capture, encode, read, resolved, site, method, at, chosen_heads, head_dim)
         info = lm.executor.info()
     except ValueError as e:
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
@@ -103,12 +109,30 @@ def vectors(
     finally:
         lm.executor.close()
     meta = vec.metadata(
-        model, method, site, at, read, weights=lm.identity["files"], pairs_file_sha256=_sha256(pairs), layers=",".join(map(str, resolved))
+        model, method, site, at, read, weights=lm.identity["files"], pairs_file_sha256=_sha256(pairs), layers=",".join(map(str, resolved)),
+        **({"heads": ",".join(map(str, chosen_heads)), "head_dim": str(head_dim)} if chosen_heads else {}),
     )
     vec.write_vectors(out, found, meta)
     seconds = time.monotonic() - start
     cached = f"{info['requests_cached']} of {2 * len(read)} texts from the cache, "
     click.echo(f"{len(found)} vectors from {len(read)} pairs ({cached}{args['cache']}) {on_workers(info)} in {seconds:.1f} s: {out}")
+
+
+def _heads(heads: str | None, site: str, config: dict) -> tuple[list[int], int | None]:
+    """The heads --heads names at attn_head (all by default) and the model's head_dim; none at other sites."""
+    from driver.steering import vectors as vec
+
+    if site not in HEAD_SITES:
+        if heads is not None:
+            raise BadUsage(f"--heads {heads}: heads apply only to --site attn_head, not {site}: drop --heads")
+        return [], None
+    n_heads, head_dim = head_shape(config)
+    if not n_heads or not head_dim:
+        raise Refused(missing_sites(config).get("attn_head") or "--site attn_head: config.json does not tell the heads' width")
+    try:
+        return vec.parse_layers(heads or "all", n_heads, what="head"), head_dim
+    except ValueError as e:
+        raise BadUsage(f"--heads {heads}: {one_line(str(e))}") from None
 
 
 def _sha256(path: str) -> str:

@@ -28,7 +28,8 @@ def _fspath(v: Any) -> Any:
 
 
 class VectorRef(BaseModel):
-    """`{file: vectors.safetensors, key: resid_post.3}`; without a key, `{site}.{layer}` of the intervention."""
+    """`{file: vectors.safetensors, key: resid_post.3}`; without a key, `{site}.{layer}` of the intervention
+    (`attn_head.{layer}.{head}` at attn_head)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -59,9 +60,10 @@ class InterventionSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layer: StrictInt
-    site: Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"] = "resid_post"
+    site: Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "attn_head"] = "resid_post"
     op: Literal["add", "replace", "ablate", "clamp"] = "add"
     vector: VectorField
+    head: StrictInt | None = Field(default=None, ge=0)  # attn_head only: which head (0-based)
     alpha: float = Field(default=1.0, strict=True, allow_inf_nan=False)
     positions: Literal["all", "prompt", "continuation", "last"] = "all"
     normalize: StrictBool = False

@@ -6,7 +6,11 @@ interventions:
     vector: honesty.npy           # a 1-D float .npy, relative to this file's folder
     alpha: 4.0
   - layer: 10
-    site: resid_pre               # resid_pre | resid_post (default)
+    site: resid_pre               # resid_pre | resid_mid | resid_post (default) | attn_out | mlp_out | attn_head
+  - layer: 3
+    site: attn_head               # one head's output before the output projection: a head_dim vector
+    head: 5                       # which head (0-based); only at attn_head
+    vector: {file: vectors.safetensors}   # key defaults to "attn_head.3.5"
     op: clamp                     # add (default) | replace | ablate | clamp
     vector: {file: vectors.safetensors}   # key defaults to "resid_pre.10", as `driver vectors` writes it
     positions: continuation       # all (default) | prompt | continuation | last
@@ -37,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from worker.load import model_shape
-from worker.spec import FLOAT_MAX, Intervention, Steering, SteeringError, missing_sites, overflow, steering_overflow
+from worker.spec import (FLOAT_MAX, Intervention, Steering, SteeringError, head_problem, head_shape, missing_sites,
+                         overflow, steering_overflow)  # fmt: skip
 
 from driver.steering.schema import InterventionSpec, SpecFile, VectorRef, spec_error, validate_spec
 from driver.steering.userfiles import load_yaml, yaml_problem
@@ -126,16 +131,17 @@ def _natural(key: str) -> list:
 
 
 def _default_key(iv: InterventionSpec, n_layers: int | None, fail) -> str:
-    """`{site}.{layer}`, a negative layer first resolved against the model (as `driver vectors` keys its output)."""
+    """`{site}.{layer}` (`attn_head.{layer}.{head}`), a negative layer first resolved against the model (as
+    `driver vectors` keys its output)."""
     if iv.layer >= 0:
-        return f"{iv.site}.{iv.layer}"
+        return f"{iv.site}.{iv.layer}" + (f".{iv.head}" if iv.head is not None else "")
     if n_layers is None:
         raise fail(
             f"layer {iv.layer} counts from the end and the model's layer count is not known here, so the "
             f"safetensors key cannot be guessed; give `key:` (e.g. {iv.site}.N) or write the layer non-negative",
             ".key",
         )
-    return f"{iv.site}.{iv.layer + n_layers}"
+    return f"{iv.site}.{iv.layer + n_layers}" + (f".{iv.head}" if iv.head is not None else "")
 
 
 def _load_vector(
@@ -271,6 +277,8 @@ def load_steering(
         _in_range(iv, n_layers, lambda problem: spec_error(where, f"interventions[{i}].layer", problem))
         if iv.site in (missing or {}):
             raise spec_error(where, f"interventions[{i}].site", missing[iv.site])
+        if head_problem(iv.site, iv.head):
+            raise spec_error(where, f"interventions[{i}].head", head_problem(iv.site, iv.head))
         vector, entry = _load_vector(iv, f"interventions[{i}].vector", base, where, memo, n_layers)
         _in_dtype(iv, vector, dtype, lambda field, problem: spec_error(where, f"interventions[{i}]{field}", problem))
         fields = iv.model_dump(exclude={"vector"})
@@ -285,9 +293,11 @@ def load_steering(
     return SteeringRun(Steering(interventions=tuple(interventions)), record)
 
 
-def check(steering: Steering, n_layers: int | None, hidden_size: int | None) -> Steering:
-    """Validate against a model's shape and resolve negative layers; None skips that check (the worker repeats it)."""
-    return steering.resolve(n_layers, hidden_size)
+def check(steering: Steering, n_layers: int | None, hidden_size: int | None,
+          heads: tuple[int | None, int | None] = (None, None)) -> Steering:  # fmt: skip
+    """Validate against a model's shape (`heads`: its attention heads and head_dim) and resolve negative layers;
+    None skips that check (the worker repeats it)."""
+    return steering.resolve(n_layers, hidden_size, heads)
 
 
 def compute_dtype(config: dict, dtype: str | None = None) -> str:
@@ -303,7 +313,7 @@ def for_model(source: str | os.PathLike | Mapping | SpecFile | Steering, config:
     safetensors keys too), shapes checked, values finite in the dtype the model computes in."""
     n_layers, hidden = model_shape(config)
     loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype), missing=missing_sites(config))
-    return SteeringRun(check(loaded.steering, n_layers, hidden), loaded.record)
+    return SteeringRun(check(loaded.steering, n_layers, hidden, head_shape(config)), loaded.record)
 
 
 _WARNED: set[str] = set()

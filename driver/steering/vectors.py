@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.spec import SITES
+from worker.spec import HEAD_SITES, SITES
 
 from driver.steering.userfiles import jsonl_lines
 
@@ -82,8 +82,9 @@ def pairs_sha256(pairs: Sequence[Pair]) -> str:
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()
 
 
-def parse_layers(spec: str, n_layers: int) -> list[int]:
-    """"all" or comma-separated layers ("2,3,4"; "-1": the last block), resolved to 0..n_layers-1, in order."""
+def parse_layers(spec: str, n_layers: int, what: str = "layer") -> list[int]:
+    """"all" or comma-separated layers ("2,3,4"; "-1": the last block), resolved to 0..n_layers-1, in order.
+    `what`: what the numbers count ("head" for --heads)."""
     spec = spec.strip()
     if spec == "all":
         return list(range(n_layers))
@@ -92,14 +93,14 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
         try:
             layer = int(item.strip())
         except ValueError:
-            raise ValueError(f"bad layer {item.strip()!r} in {spec!r}: use 'all' or integers like 2,3,4 or -1") from None
+            raise ValueError(f"bad {what} {item.strip()!r} in {spec!r}: use 'all' or integers like 2,3,4 or -1") from None
         if not -n_layers <= layer < n_layers:
             raise ValueError(
-                f"layer {layer} is out of range: the model has {n_layers} layers (0..{n_layers - 1} or -{n_layers}..-1)"
+                f"{what} {layer} is out of range: the model has {n_layers} {what}s (0..{n_layers - 1} or -{n_layers}..-1)"
             )
         layer %= n_layers
         if layer in layers:
-            raise ValueError(f"layer {layer} is given twice in {spec!r}")
+            raise ValueError(f"{what} {layer} is given twice in {spec!r}")
         layers.append(layer)
     return layers
 
@@ -255,8 +256,11 @@ def extract(
     site: str,
     method: str,
     position: int,
+    heads: Sequence[int] = (),
+    head_dim: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """{f"{site}.{layer}": float32 [hidden] vector} for resolved (non-negative) layers."""
+    """{f"{site}.{layer}": float32 [hidden] vector} for resolved (non-negative) layers; at attn_head one
+    `attn_head.{layer}.{head}` [head_dim] vector per layer and head of `heads`, each combined on its own."""
     if site not in SITES:
         raise ValueError(f"unknown site {site!r}: choose one of {', '.join(SITES)}")
     if method not in METHODS:
@@ -269,11 +273,22 @@ def extract(
     if len(acts) != len(requests):
         raise RuntimeError(f"the capture returned {len(acts)} results for {len(requests)} requests")
     acts = np.stack([np.asarray(a, dtype=np.float32) for a in acts])  # [2n, points, hidden]
+    if site in HEAD_SITES:
+        acts, points = per_head(acts, points, heads, head_dim)
     n = len(pairs)
     problem = zero_vectors(acts, pairs, points, position, method)
     if problem:
         raise PairsError(problem)
     return {point: combine(acts[:n, j], acts[n:, j], method) for j, point in enumerate(points)}
+
+
+def per_head(acts: np.ndarray, points: Sequence[str], heads: Sequence[int], head_dim: int | None) -> tuple[np.ndarray, list[str]]:
+    """[2n, points, heads*d] captured at attn_head.L -> [2n, points*len(heads), d], named attn_head.L.h."""
+    width = acts.shape[-1]
+    if not heads or not head_dim or width % head_dim or max(heads) >= width // head_dim:
+        raise ValueError(f"attn_head captured {width} values per token, not heads {list(heads)} of head_dim {head_dim}")
+    split = acts.reshape(*acts.shape[:2], width // head_dim, head_dim)[:, :, list(heads)]
+    return split.reshape(acts.shape[0], -1, head_dim), [f"{p}.{h}" for p in points for h in heads]
 
 
 NEAR_ZERO = 1e-4  # of the activations' mean norm: float32 noise from batching is ~1e-7 of it

@@ -14,7 +14,7 @@ from pathlib import Path
 
 LOCK_NAME = ".sweep.lock"
 OUTPUTS = ("results.csv", "results.jsonl", "generations.jsonl", "summary.md", "run.json", "plots/heatmap-*.png",
-           "plots/lines-*.png", "lm-eval/*.json")  # fmt: skip
+           "plots/lines-*.png", "plots/heads-*.png", "lm-eval/*.json")  # fmt: skip
 
 
 class FolderBusy(RuntimeError):

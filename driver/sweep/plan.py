@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from worker.spec import NO_STEERING, Intervention, Steering
+from worker.spec import HEAD_SITES, NO_STEERING, Intervention, Steering, head_shape
 
 from driver.steering.userfiles import jsonl_lines
 from driver.sweep.rows import BASELINE
@@ -38,11 +38,12 @@ class Config:
     positions: str | None = None
     alpha: float | None = None  # None: the baseline, or an op that takes no alpha (ablate)
     record: dict | None = None  # what goes into lm-eval's results JSON (config.orchard.steering)
+    head: int | None = None  # the attention head, at a head site (attn_head)
 
     @property
     def fields(self) -> dict:
-        return {"config": self.id, "vector": self.vector, "layer": self.layer, "site": self.site, "op": self.op,
-                "positions": self.positions, "alpha": 0.0 if self.id == BASELINE else self.alpha}  # fmt: skip
+        return {"config": self.id, "vector": self.vector, "layer": self.layer, "site": self.site, "head": self.head,
+                "op": self.op, "positions": self.positions, "alpha": 0.0 if self.id == BASELINE else self.alpha}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -91,42 +92,74 @@ def _layers(grid: Grid, n_layers: int, where: str) -> list[int]:
     return out
 
 
-def _load_vector(name: str, source: VectorSource, site: str, layer: int, directionless: bool, shape, base: Path, where: str):
-    """The checked `Intervention` (alpha 1, op add) for one vector at one site and layer, and its record."""
-    from driver.steering.spec import SteeringError, check, load_steering
+def _heads(grid: Grid, n_heads: int | None, where: str) -> list[int]:
+    """The heads a head site is steered at (grid.heads: 'all' is every head of the model's config)."""
+    if grid.heads is None:
+        return []
+    if n_heads is None:
+        raise SweepError(f"{where}: grid.heads: the model's config.json does not give its number of attention heads; "
+                         "steer a site without heads")  # fmt: skip
+    if grid.heads == "all":
+        return list(range(n_heads))
+    bad = [h for h in grid.heads if h >= n_heads]
+    if bad:
+        raise SweepError(f"{where}: grid.heads: {bad[0]} is out of range for a model with {n_heads} attention heads "
+                         f"(use 0..{n_heads - 1}, or all)")  # fmt: skip
+    return list(grid.heads)
 
+
+@dataclass(frozen=True)
+class _Model:
+    """What the vectors are checked against: the model's config.json, its dtype setting, its layer count."""
+
+    config: dict
+    dtype: str | None
+    n_layers: int
+
+
+def _vector_file(name: str, source: VectorSource, layer: int, n_layers: int, where: str) -> tuple[str, str]:
+    """(file, label) of a vector source at one layer: its file, or its `layers:` entry for that layer."""
     label = f"vectors.{name}"
-    if source.layers is not None:
-        file = source.layers.get(layer)
-        if file is None:
-            negative = {k % shape[0]: f for k, f in source.layers.items() if -shape[0] <= k < shape[0]}
-            file = negative.get(layer)
-        if file is None:
-            listed = ", ".join(map(str, sorted(source.layers)))
-            raise SweepError(f"{where}: {label}.layers: no vector for layer {layer} (it has layers {listed}); add one or drop the layer from grid.layers")
-        label += f".layers.{layer}"
-    else:
-        file = source.file
+    if source.layers is None:
+        return source.file, label
+    file = source.layers.get(layer)
+    if file is None:
+        negative = {k % n_layers: f for k, f in source.layers.items() if -n_layers <= k < n_layers}
+        file = negative.get(layer)
+    if file is None:
+        listed = ", ".join(map(str, sorted(source.layers)))
+        raise SweepError(f"{where}: {label}.layers: no vector for layer {layer} (it has layers {listed}); add one or drop the layer from grid.layers")
+    return file, f"{label}.layers.{layer}"
+
+
+def _load_vector(name: str, source: VectorSource, at: tuple, directionless: bool, model: _Model, base: Path, where: str):
+    """The checked `Intervention` (alpha 1, op add) for one vector at `at` = (site, layer, head), and its record;
+    checked as `driver run` checks a spec (driver.steering.spec.for_model): shape, dtype, the sites the model has."""
+    from driver.steering.spec import SteeringError, for_model
+
+    site, layer, head = at
+    file, label = _vector_file(name, source, layer, model.n_layers, where)
     ref: dict = {"file": file}
     if file.lower().endswith(".safetensors"):
-        ref["key"] = (source.key or "{site}.{layer}").format(site=site, layer=layer)
+        default = "{site}.{layer}.{head}" if head is not None else "{site}.{layer}"  # as `driver vectors` keys them
+        ref["key"] = (source.key or default).format(site=site, layer=layer, head=head)
     elif source.key is not None and source.file is not None:
         raise SweepError(f"{where}: {label}.key: `key` applies only to .safetensors files; remove it")
-    spec = {"interventions": [{"layer": layer, "site": site, "op": "ablate" if directionless else "add",
-                               "vector": ref, "normalize": source.normalize}]}  # fmt: skip
+    iv = {"layer": layer, "site": site, "op": "ablate" if directionless else "add", "vector": ref, "normalize": source.normalize}
+    spec = {"interventions": [iv if head is None else {**iv, "head": head}]}
     try:
-        loaded = load_steering(spec, base_dir=base)
-        steering = check(loaded.steering, *shape)
+        loaded = for_model(spec, model.config, model.dtype, base)
     except SteeringError as e:
-        text = str(e)
-        for prefix in ("steering spec (dict): interventions[0].vector", "steering spec (dict): interventions[0]", "steering spec (dict)"):
+        text = str(e).removeprefix("steering spec (dict): ")
+        for prefix in ("interventions[0].vector", "interventions[0]"):
             if text.startswith(prefix):
                 text = text[len(prefix) :]
                 break
         text = re.sub(r"^\.(file|key)", lambda m: "" if source.layers is not None else m.group(0), text)
         text = text.replace("interventions[0].", "")
-        raise SweepError(one_line(f"{where}: {label}{text} (layer {layer}, site {site})")) from None
-    return steering.interventions[0].model_copy(update={"op": "add"}), loaded.record["vectors"][0]
+        at_head = "" if head is None else f", head {head}"
+        raise SweepError(one_line(f"{where}: {label}{text} (layer {layer}, site {site}{at_head})")) from None
+    return loaded.steering.interventions[0].model_copy(update={"op": "add"}), loaded.record["vectors"][0]
 
 
 def _fmt_alpha(alpha: float) -> str:
@@ -141,7 +174,7 @@ def _steering(iv: Intervention, where: str) -> Steering:
         raise SweepError(one_line(f"{where}: {e.errors()[0]['msg'].removeprefix('Value error, ')}")) from None
 
 
-def _configs(spec: SweepFile, layers: list[int], shape, base: Path, where: str) -> list[Config]:
+def _vector_names(spec: SweepFile, where: str) -> list[str]:
     g = spec.grid
     names = list(g.vectors) if g.vectors is not None else list(spec.vectors)
     unknown = [n for n in names if n not in spec.vectors]
@@ -149,32 +182,45 @@ def _configs(spec: SweepFile, layers: list[int], shape, base: Path, where: str) 
         near = difflib.get_close_matches(unknown[0], list(spec.vectors), n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise SweepError(f"{where}: grid.vectors: no vector named {unknown[0]!r} ({hint}the file has: {', '.join(spec.vectors)})")
+    return names
+
+
+def _config(name: str, at: tuple, op: str, positions: str, alpha: float | None, loaded: tuple, where: str) -> Config:
+    """One configuration: the vector `name` at `at` = (site, layer, head), as `loaded` (its Intervention, record)."""
+    (site, layer, head), (base_iv, vrecord) = at, loaded
+    iv: Intervention = base_iv.model_copy(update={"op": op, "positions": positions, "alpha": 1.0 if alpha is None else float(alpha)})
+    at_head = "" if head is None else f" head {head},"
+    steering = _steering(iv, f"{where}: grid.alphas: {alpha:g} (vector {name}, layer {layer}, {site},{at_head} {op})")
+    cid = f"{name}.{site}.L{layer}" + ("" if head is None else f".h{head}") + f".{op}.{positions}"
+    cid += "" if alpha is None else f".a{_fmt_alpha(alpha)}"
+    written = {"layer": layer, "site": site, **({} if head is None else {"head": head}), "op": op, "positions": positions,
+               "alpha": iv.alpha, "normalize": iv.normalize,
+               "vector": {"source": name, **{k: vrecord[k] for k in ("path", "key")}}}  # fmt: skip
+    record = {"source": str(Path(where).absolute()), "sweep_config": cid, "spec": {"interventions": [written]},
+              "vectors": [vrecord], "key": steering.key(), "resolved_layers": [layer]}  # fmt: skip
+    return Config(cid, steering, name, site, layer, op, positions, alpha, record, head)
+
+
+def _configs(spec: SweepFile, layers: list[int], heads: list[int], model: _Model, base: Path, where: str) -> list[Config]:
+    """The baseline, then every configuration of the grid (heads innermost, at a head site only)."""
+    g = spec.grid
     directionless = any(op in _DIRECTIONLESS for op in g.ops)
     configs = [Config(BASELINE, NO_STEERING)]
-    loaded: dict[tuple[str, str, int], tuple[Intervention, dict]] = {}
-    for name, site, op, positions, layer in itertools.product(names, g.sites, g.ops, g.positions, layers):
-        if (name, site, layer) not in loaded:  # each vector read and checked once, whatever the ops and positions
-            loaded[(name, site, layer)] = _load_vector(name, spec.vectors[name], site, layer, directionless, shape, base, where)
-        base_iv, vrecord = loaded[(name, site, layer)]
-        if op == "ablate":
-            alphas: list[float | None] = [None]  # ablate takes no alpha: one configuration
-        else:
-            alphas = [a for a in g.alphas if not (a == 0 and op in _IDENTITY_AT_ZERO)]  # alpha 0: the baseline
-        for alpha in alphas:
-            iv: Intervention = base_iv.model_copy(update={"op": op, "positions": positions, "alpha": 1.0 if alpha is None else float(alpha)})
-            steering = _steering(iv, f"{where}: grid.alphas: {alpha:g} (vector {name}, layer {layer}, {site}, {op})")
-            cid = f"{name}.{site}.L{layer}.{op}.{positions}" + ("" if alpha is None else f".a{_fmt_alpha(alpha)}")
-            written = {"layer": layer, "site": site, "op": op, "positions": positions, "alpha": iv.alpha, "normalize": iv.normalize,
-                       "vector": {"source": name, **{k: vrecord[k] for k in ("path", "key")}}}  # fmt: skip
-            record = {"source": str(Path(where).absolute()), "sweep_config": cid, "spec": {"interventions": [written]},
-                      "vectors": [vrecord], "key": steering.key(), "resolved_layers": [layer]}  # fmt: skip
-            configs.append(Config(cid, steering, name, site, layer, op, positions, alpha, record))
+    loaded: dict[tuple, tuple[Intervention, dict]] = {}
+    for name, site, op, positions, layer in itertools.product(_vector_names(spec, where), g.sites, g.ops, g.positions, layers):
+        for head in heads if site in HEAD_SITES else [None]:
+            at = (site, layer, head)
+            if (name, at) not in loaded:  # each vector read and checked once, whatever the ops and positions
+                loaded[(name, at)] = _load_vector(name, spec.vectors[name], at, directionless, model, base, where)
+            alphas = [None] if op == "ablate" else [a for a in g.alphas if not (a == 0 and op in _IDENTITY_AT_ZERO)]
+            configs += [_config(name, at, op, positions, alpha, loaded[(name, at)], where) for alpha in alphas]
     if len(configs) == 1:
         raise SweepError(
             f"{where}: grid: empty (every alpha is 0, which is the baseline for ops {', '.join(_IDENTITY_AT_ZERO)}): "
             "list nonzero alphas"
         )
     return configs
+
 
 def read_prompts(path: Path, where: str) -> list[Prompt]:
     """A prompt set: one {"prompt": str, optional "targets": {name: str}} per line; blank lines skipped."""
@@ -269,7 +315,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     if shape[0] is None:
         raise SweepError(f"{where}: model.pretrained: the model's config.json does not give its number of layers")
     layers = _layers(spec.grid, shape[0], where)
-    configs = _configs(spec, layers, shape, base, where)
+    heads = _heads(spec.grid, head_shape(config)[0], where)
+    configs = _configs(spec, layers, heads, _Model(config, m.dtype, shape[0]), base, where)
     window = context_window(config, m.max_length)
     prompt_sets: dict[str, tuple[PromptSet, list[Prompt]]] = {}
     for i, ps in enumerate(spec.prompts):

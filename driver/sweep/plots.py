@@ -1,7 +1,9 @@
-"""A sweep's plots: a layers × alphas heatmap of the change from the baseline, and the metric against alpha.
+"""A sweep's plots: a layers × alphas heatmap of the change from the baseline, and the metric against alpha; for
+head sites (attn_head), a layers × heads heatmap (which heads move the behaviour).
 
-One panel per (vector, site, op, positions); a failed cell (non-finite score) reads "failed", a configuration whose
-generations are not fluent is hatched (heatmap) or crossed (lines). Each function returns the PNG's bytes."""
+One panel per (vector, site, op, positions), and per alpha for heads; a failed cell (non-finite score) reads
+"failed", a configuration whose generations are not fluent is hatched (heatmap) or crossed (lines). Each function
+returns the PNG's bytes."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Sequence
 
 DPI = 100
 BASELINE = "baseline"
+ALPHAS, HEADS = "alpha", "head"  # a heatmap's columns
 
 _UNITS = {
     "logprob_diff": "nats",
@@ -48,19 +51,30 @@ def by_metric(rows: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
     return out
 
 
-def facets(rows: Sequence[dict]) -> dict[tuple, list[dict]]:
-    """Non-baseline rows of one metric grouped by (vector, site, op, positions): one heatmap panel each."""
+def facets(rows: Sequence[dict], columns: str = ALPHAS) -> dict[tuple, list[dict]]:
+    """Non-baseline rows of one metric, one heatmap panel each: columns ALPHAS, the rows without a head grouped by
+    (vector, site, op, positions); HEADS, the rows with one grouped by (vector, site, op, positions, alpha)."""
     out: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r["config"] != BASELINE:
-            out.setdefault((r["vector"], r["site"], r["op"], r["positions"]), []).append(r)
+        if r["config"] != BASELINE and (r.get("head") is not None) == (columns == HEADS):
+            key = (r["vector"], r["site"], r["op"], r["positions"]) + ((r["alpha"],) if columns == HEADS else ())
+            out.setdefault(key, []).append(r)
     return out
 
 
-def panel_axes(rows: Sequence[dict]) -> tuple[list[int], list[float | None]]:
-    """(layers, alphas) of one panel; add/replace panels get alpha 0, the baseline column."""
+def _column(r: dict, columns: str) -> float | int | None:
+    if columns == HEADS:
+        return r["head"]
+    return None if r["op"] == "ablate" else float(r["alpha"])
+
+
+def panel_axes(rows: Sequence[dict], columns: str = ALPHAS) -> tuple[list[int], list]:
+    """(layers, columns) of one panel: its alphas, where add/replace panels get alpha 0 (the baseline column),
+    or its heads."""
     layers = sorted({r["layer"] for r in rows})
     op = rows[0]["op"]
+    if columns == HEADS:
+        return layers, sorted({r["head"] for r in rows})
     if op == "ablate":
         return layers, [None]
     alphas = {float(r["alpha"]) for r in rows}
@@ -121,13 +135,15 @@ def _title(task: str, metric: str, baseline: dict | None) -> str:
 
 
 def _facet_title(key: tuple) -> str:
-    vector, site, op, positions = key
-    return f"vector {vector} at {site}\n{op}, positions {positions}"
+    vector, site, op, positions = key[:4]
+    alpha = "" if len(key) < 5 or key[4] is None or op == "ablate" else f" α={key[4]:g}"
+    return f"vector {vector} at {site}\n{op}{alpha}, positions {positions}"
 
 
-def heatmap(task: str, metric: str, rows: Sequence[dict]) -> bytes:
-    """Layers × alphas of the change from the baseline, one panel per (vector, site, op, positions); failed cells
-    read "failed", cells of configurations whose generations are not fluent are hatched."""
+def heatmap(task: str, metric: str, rows: Sequence[dict], columns: str = ALPHAS) -> bytes:
+    """Layers × alphas (columns ALPHAS; rows without a head) or layers × heads (HEADS; rows with one) of the change
+    from the baseline, one panel per facet (`facets`); failed cells read "failed", cells of configurations whose
+    generations are not fluent are hatched."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -136,16 +152,15 @@ def heatmap(task: str, metric: str, rows: Sequence[dict]) -> bytes:
     from matplotlib.colors import TwoSlopeNorm
 
     baseline = next((r for r in rows if r["config"] == BASELINE), None)
-    panels = facets(rows)
-    shapes = [panel_axes(p) for p in panels.values()]
+    panels = facets(rows, columns)
+    shapes = [panel_axes(p, columns) for p in panels.values()]
     n_layers = max(len(layers) for layers, _ in shapes)
     matrices = []
     for (layers, alphas), prows in zip(shapes, panels.values()):
         m = np.full((len(layers), len(alphas)), np.nan)
         for r in prows:
-            a = None if r["op"] == "ablate" else float(r["alpha"])
-            m[layers.index(r["layer"]), alphas.index(a)] = r["delta"] if r["delta"] is not None else np.nan
-        if prows[0]["op"] in ("add", "replace") and baseline is not None and baseline["value"] is not None:
+            m[layers.index(r["layer"]), alphas.index(_column(r, columns))] = r["delta"] if r["delta"] is not None else np.nan
+        if columns == ALPHAS and prows[0]["op"] in ("add", "replace") and baseline is not None and baseline["value"] is not None:
             m[:, alphas.index(0.0)] = 0.0  # for add and replace, alpha 0 is the baseline
         matrices.append(m)
     finite = [abs(x) for m in matrices for x in m.ravel() if np.isfinite(x)]
@@ -161,9 +176,9 @@ def heatmap(task: str, metric: str, rows: Sequence[dict]) -> bytes:
     image = None
     for ax, key, (layers, alphas), m in zip(axes, panels, shapes, matrices):
         image = ax.imshow(np.ma.masked_invalid(m), cmap=cmap, norm=norm, aspect="auto", origin="lower")
-        ax.set_xticks(range(len(alphas)), [_alpha_label(a) for a in alphas])
+        ax.set_xticks(range(len(alphas)), [str(a) if columns == HEADS else _alpha_label(a) for a in alphas])
         ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
-        ax.set_xlabel(_alpha_axis(key[2]))
+        ax.set_xlabel("attention head" if columns == HEADS else _alpha_axis(key[2]))
         ax.set_ylabel("layer")
         ax.set_title(_facet_title(key), fontsize=9)
         fontsize = 8 if len(alphas) <= 8 else 6
@@ -171,7 +186,7 @@ def heatmap(task: str, metric: str, rows: Sequence[dict]) -> bytes:
             if np.isfinite(v):
                 dark = abs(norm(v) - 0.5) > 0.3
                 ax.text(j, i, signed(float(v)), ha="center", va="center", fontsize=fontsize, color="white" if dark else "black")
-        _mark_cells(ax, panels[key], layers, alphas, fontsize)
+        _mark_cells(ax, panels[key], layers, alphas, fontsize, columns)
     bar = fig.colorbar(image, ax=axes[: len(panels)], shrink=0.9)
     bar.set_label(_with_unit(f"Δ {metric} vs baseline", metric))
     marked = "\nhatched: generations not fluent (see summary.md)" if any(r.get("fluent") is False for r in rows) else ""
@@ -246,16 +261,12 @@ def _png(fig) -> bytes:
     return buffer.getvalue()
 
 
-def _cell(r: dict, layers: list, alphas: list) -> tuple[int, int]:
-    return layers.index(r["layer"]), alphas.index(None if r["op"] == "ablate" else float(r["alpha"]))
-
-
-def _mark_cells(ax, prows: Sequence[dict], layers: list, alphas: list, fontsize: int) -> None:
+def _mark_cells(ax, prows: Sequence[dict], layers: list, columns_: list, fontsize: int, columns: str) -> None:
     """"failed" on a cell with no value (a non-finite score); hatching on a configuration that is not fluent."""
     from matplotlib.patches import Rectangle
 
     for r in prows:
-        i, j = _cell(r, layers, alphas)
+        i, j = layers.index(r["layer"]), columns_.index(_column(r, columns))
         if r.get("error"):
             ax.text(j, i, "failed", ha="center", va="center", fontsize=fontsize, color="black")
         elif r.get("fluent") is False:

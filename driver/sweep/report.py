@@ -8,7 +8,8 @@ Files in the output folder:
     results.jsonl, results.csv   one row per configuration × metric (COLUMNS)
     generations.jsonl            one row per configuration × prompt of a prompt set
     lm-eval/<config>.json        lm-eval's results for that configuration
-    plots/heatmap-<task>-<metric>.png, plots/lines-<task>-<metric>.png   (driver.sweep.plots)
+    plots/heatmap-<task>-<metric>.png, plots/lines-<task>-<metric>.png   (driver.sweep.plots; sites without heads)
+    plots/heads-<task>-<metric>.png    layers × heads, per alpha (head sites: attn_head)
     summary.md, run.json         the grid, the baseline, the best and largest changes, failed and degenerate
                                  configurations, the run's facts
 
@@ -29,13 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from driver.sweep import outdir
-from driver.sweep.plots import by_metric, facets, heatmap, lines
+from driver.sweep.plots import HEADS, by_metric, facets, heatmap, lines
 from driver.sweep.rows import failures
 from driver.sweep.summary import summary_md
 
 __all__ = ["COLUMNS", "write_outputs", "read_csv", "run_facts", "problems", "slug"]
 
-COLUMNS = ("config", "vector", "layer", "site", "op", "positions", "alpha", "task", "metric", "value", "stderr", "n", "delta",
+COLUMNS = ("config", "vector", "layer", "site", "head", "op", "positions", "alpha", "task", "metric", "value", "stderr", "n", "delta",
            "fluent", "error")  # fmt: skip
 
 # --- atomic files ---------------------------------------------------------------------------------------------
@@ -125,14 +126,18 @@ def write_outputs(outcome, folder: str | os.PathLike) -> dict[str, Any]:
     files = set()
     for config_id, results in outcome.lm_eval.items():
         files.add(write_atomic(folder / "lm-eval" / f"{slug(config_id)}.json", _json(results, indent=2)))
-    plots: dict[tuple[str, str], tuple[str, str]] = {}
+    plots: dict[tuple[str, str], list[str]] = {}
     for (task, metric), mrows in by_metric(rows).items():
-        if not facets(mrows):
-            continue
         name = f"{slug(task)}-{slug(metric)}.png"
-        files.add(write_atomic(folder / "plots" / f"heatmap-{name}", heatmap(task, metric, mrows)))
-        files.add(write_atomic(folder / "plots" / f"lines-{name}", lines(task, metric, mrows)))
-        plots[(task, metric)] = (f"plots/heatmap-{name}", f"plots/lines-{name}")
+        drawn = []
+        if facets(mrows):  # layers × alphas, sites without heads
+            drawn += [(f"plots/heatmap-{name}", heatmap(task, metric, mrows)), (f"plots/lines-{name}", lines(task, metric, mrows))]
+        if facets(mrows, HEADS):  # layers × heads, head sites
+            drawn.append((f"plots/heads-{name}", heatmap(task, metric, mrows, HEADS)))
+        for path, png in drawn:
+            files.add(write_atomic(folder / path, png))
+        if drawn:
+            plots[(task, metric)] = [path for path, _ in drawn]
     written["plots"] = plots
     written["generations"] = write_atomic(folder / "generations.jsonl", _jsonl(outcome.generations))
     facts = {**run_facts(outcome.info, outcome.seconds), "sweep": str(outcome.sweep.path.absolute()),
@@ -156,7 +161,7 @@ def read_csv(path: str | os.PathLike) -> list[dict]:
             row: dict[str, Any] = {k: (v if v != "" else None) for k, v in r.items()}
             for k in ("value", "stderr", "delta", "alpha"):
                 row[k] = float(r[k]) if r[k] != "" else None
-            for k in ("layer", "n"):
+            for k in ("layer", "head", "n"):
                 row[k] = int(r[k]) if r[k] != "" else None
             row["fluent"] = {"True": True, "False": False}.get(r.get("fluent") or "")
             out.append(row)

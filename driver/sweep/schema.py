@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
+from worker.spec import HEAD_SITES, SITES
+
 from driver.checks import settings
 from driver.steering.userfiles import explain, load_yaml, short, yaml_problem
 
@@ -75,8 +77,9 @@ def _setting(check, value: Any) -> Any:
 
 
 class VectorSource(BaseModel):
-    """One steering direction per layer: a `driver vectors` .safetensors file (`key` is a template, by default
-    "{site}.{layer}"), or `layers: {L: file}` with a .npy (or .safetensors) per layer."""
+    """One steering direction per layer (and head): a `driver vectors` .safetensors file (`key` is a template, by
+    default "{site}.{layer}", "{site}.{layer}.{head}" at a head site), or `layers: {L: file}` with a .npy (or
+    .safetensors) per layer; a .npy at a head site is that head_dim vector for every head."""
 
     model_config = _Frozen
 
@@ -93,9 +96,10 @@ class VectorSource(BaseModel):
             raise ValueError("`layers:` is empty: map each layer to its vector file")
         if self.key is not None:
             try:
-                self.key.format(site="resid_post", layer=0)
+                self.key.format(site="resid_post", layer=0, head=0)
             except (KeyError, IndexError, ValueError):
-                raise ValueError(f"key {self.key!r}: use a template with {{site}} and {{layer}}, e.g. '{{site}}.{{layer}}'") from None
+                raise ValueError(f"key {self.key!r}: use a template with {{site}}, {{layer}} (and {{head}} at a head site), "
+                                 "e.g. '{site}.{layer}' or 'attn_head.{layer}.{head}'") from None
         return self
 
 
@@ -104,7 +108,8 @@ def _listify(v: Any) -> Any:
 
 
 class Grid(BaseModel):
-    """The configurations: every combination of vectors × sites × layers × ops × positions × alphas."""
+    """The configurations: every combination of vectors × sites × layers × ops × positions × alphas, and heads
+    (`all` or a list) for a head site (attn_head)."""
 
     model_config = _Frozen
 
@@ -112,17 +117,30 @@ class Grid(BaseModel):
     alphas: tuple[Annotated[float, Field(strict=True, allow_inf_nan=False)], ...]
     ops: tuple[Literal["add", "replace", "ablate", "clamp"], ...] = ("add",)
     positions: tuple[Literal["all", "prompt", "continuation", "last"], ...] = ("all",)
-    sites: tuple[Literal["resid_pre", "resid_post"], ...] = ("resid_post",)
+    sites: tuple[Literal[SITES], ...] = ("resid_post",)  # every site worker.spec knows
+    heads: Union[Literal["all"], tuple[Annotated[int, Field(strict=True, ge=0)], ...], None] = None  # head sites only
     vectors: tuple[str, ...] | None = None  # default: every vector of the file
 
-    @field_validator("layers", "alphas", "ops", "positions", "sites", "vectors", mode="before")
+    @field_validator("layers", "alphas", "ops", "positions", "sites", "heads", "vectors", mode="before")
     @classmethod
     def _scalar_is_a_list(cls, v: Any, info) -> Any:
-        if v == "all" or (info.field_name == "layers" and isinstance(v, str)):
+        if v == "all" or (info.field_name in ("layers", "heads") and isinstance(v, str)):
             return v
         return _listify(v)
 
-    @field_validator("ops", "positions", "sites", "vectors", "layers", "alphas")
+    @model_validator(mode="after")
+    def _heads_with_head_sites(self) -> Grid:
+        steer_heads = [s for s in self.sites if s in HEAD_SITES]
+        if self.heads is not None and not steer_heads:
+            raise ValueError(f"heads: site{'s' * (len(self.sites) > 1)} {', '.join(self.sites)} "
+                             f"{'have' if len(self.sites) > 1 else 'has'} no heads: add {' or '.join(HEAD_SITES)} to "
+                             "grid.sites, or remove grid.heads")  # fmt: skip
+        if self.heads is None and steer_heads:
+            raise ValueError(f"sites: {steer_heads[0]} steers one attention head at a time: give grid.heads "
+                             "(all, or a list such as [0, 5])")  # fmt: skip
+        return self
+
+    @field_validator("ops", "positions", "sites", "heads", "vectors", "layers", "alphas")
     @classmethod
     def _nonempty_unique(cls, v: Any) -> Any:
         if v == "all" or v is None:
@@ -277,10 +295,13 @@ def _validate(data: Any, where: str) -> SweepFile:
     try:
         return SweepFile.model_validate(dict(data))
     except ValidationError as e:
-        errors = sorted(e.errors(), key=lambda err: (err["type"] != "extra_forbidden", err["type"] == "missing"))
+        # a list's own problem (heads[0] negative) before "not 'all'" (the union's other member)
+        errors = sorted(e.errors(), key=lambda err: (err["type"] != "extra_forbidden", err["type"] == "missing",
+                                                     err["type"] == "literal_error" and isinstance(err.get("input"), list)))
         first = errors[0]
-        if first["type"] == "literal_error" and first["loc"][:1] == ("grid",) and first["loc"][1:2] == ("layers",):
-            first = {**first, "type": "value_error", "msg": f"{first['input']!r}: give a list of layers or 'all'"}
+        if first["type"] == "literal_error" and first["loc"][:1] == ("grid",) and first["loc"][1:2] in (("layers",), ("heads",)):
+            what = first["loc"][1]
+            first = {**first, "type": "value_error", "msg": f"{first['input']!r}: give a list of {what} or 'all'"}
         more = f" [and {len(errors) - 1} more problem(s)]" if len(errors) > 1 else ""
         path = _loc(first["loc"])
         raise SweepError(one_line(f"{where}: {path + ': ' if path else ''}{_explain(first)}{more}")) from None

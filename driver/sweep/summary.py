@@ -17,7 +17,8 @@ def _config_label(r: dict) -> str:
     if r["config"] == BASELINE:
         return "baseline"
     alpha = "" if r["alpha"] is None else f" α={r['alpha']:g}"
-    return f"{r['vector']} L{r['layer']} {r['site']} {r['op']}{alpha} ({r['positions']})"
+    head = "" if r.get("head") is None else f" head {r['head']}"
+    return f"{r['vector']} L{r['layer']} {r['site']}{head} {r['op']}{alpha} ({r['positions']})"
 
 
 def _num(v: float | None, digits: int = 4) -> str:
@@ -92,7 +93,21 @@ def _fluency(rows: Sequence[dict], generations: Sequence[dict]) -> list[str]:
     return out + [f"| {labels[c]} | {empty.get(c, 0)} |" for c in bad]
 
 
-def summary_md(outcome, plots: dict[tuple[str, str], tuple[str, str]], facts: dict) -> str:
+_ALT = {"heatmap": "heatmap of {}", "lines": "{} against alpha", "heads": "layers × heads heatmap of {}"}
+
+
+def _plots(plots: dict[tuple[str, str], list[str]]) -> list[str]:
+    """Each metric's plots (report: plots/heatmap-, lines-, heads-<task>-<metric>.png)."""
+    out = ["", "## Plots", ""] if plots else []
+    for (task, metric), paths in plots.items():
+        out += [f"### {task} · {metric}", ""]
+        for path in paths:
+            alt = _ALT[path.rsplit("/", 1)[-1].split("-", 1)[0]].format(f"{task} {metric}")
+            out += [f"![{alt}]({path})", ""]
+    return out
+
+
+def summary_md(outcome, plots: dict[tuple[str, str], list[str]], facts: dict) -> str:
     """summary.md of a finished sweep, given its plots' paths and the run's facts (`report.run_facts`)."""
     sweep, rows = outcome.sweep, outcome.rows
     spec = sweep.spec
@@ -101,6 +116,7 @@ def summary_md(outcome, plots: dict[tuple[str, str], tuple[str, str]], facts: di
     layers = sorted({c.layer for c in grid})
     alphas = sorted({c.alpha for c in grid if c.alpha is not None})
     vectors = sorted({c.vector for c in grid})
+    heads = sorted({c.head for c in grid if c.head is not None})
     lines_: list[str] = [
         f"# Steering sweep: {sweep.path.name}",
         "",
@@ -109,10 +125,10 @@ def summary_md(outcome, plots: dict[tuple[str, str], tuple[str, str]], facts: di
         "",
         "## The grid",
         "",
-        "| vectors | sites | layers | ops | positions | alphas |",
-        "|---|---|---|---|---|---|",
-        f"| {', '.join(vectors)} | {', '.join(g.sites)} | {', '.join(map(str, layers))} | {', '.join(g.ops)} | "
-        f"{', '.join(g.positions)} | {', '.join(f'{a:g}' for a in alphas) or '–'} |",
+        "| vectors | sites | heads | layers | ops | positions | alphas |",
+        "|---|---|---|---|---|---|---|",
+        f"| {', '.join(vectors)} | {', '.join(g.sites)} | {', '.join(map(str, heads)) or '–'} | {', '.join(map(str, layers))} | "
+        f"{', '.join(g.ops)} | {', '.join(g.positions)} | {', '.join(f'{a:g}' for a in alphas) or '–'} |",
         "",
         "Alpha 0 is the baseline (the unsteered model), computed once for the whole grid.",
         "",
@@ -134,10 +150,7 @@ def summary_md(outcome, plots: dict[tuple[str, str], tuple[str, str]], facts: di
         if b is not None:
             lines_.append(f"| {task} | {metric} | {_num(b['value'])} | {_num(b['stderr'], 3)} | {b['n'] if b['n'] is not None else '–'} |")
     lines_ += _per_metric(outcome, metrics) + _failed(rows) + _fluency(rows, outcome.generations)
-    if plots:
-        lines_ += ["", "## Plots", ""]
-        for (task, metric), (heat, line) in plots.items():
-            lines_ += [f"### {task} · {metric}", "", f"![heatmap of {task} {metric}]({heat})", "", f"![{task} {metric} against alpha]({line})", ""]
+    lines_ += _plots(plots)
     lines_ += ["", "## Run", "",
                f"- {on_workers(facts, ray=True)}",
                f"- wall time {facts['wall_s']:.1f} s; scoring time on the workers {facts['scoring_s'] or 0:.1f} s",
