@@ -62,6 +62,46 @@ def test_steered_ray_run_equals_the_in_process_run(ray_cluster, llama_path, task
     assert_same(ours, steered_reference)
 
 
+SITES_SPEC = """
+  - {layer: 1, site: attn_out, vector: v.npy, alpha: 3.0, positions: all}
+  - {layer: 0, site: mlp_out, op: clamp, vector: v.npy, alpha: 0.5, positions: prompt}
+  - {layer: 1, site: resid_mid, op: ablate, vector: v.npy, positions: last}
+  - {layer: 0, site: attn_head, head: 2, vector: h.npy, alpha: 4.0, positions: continuation}
+  - {layer: 1, site: attn_head, head: 0, op: clamp, vector: h.npy, alpha: 0.3, positions: all}"""
+
+
+@pytest.fixture(scope="module")
+def sites_spec(tmp_path_factory):
+    """Every site inside the block (issue 18): both branches, the mid-block residual, single heads."""
+    folder = tmp_path_factory.mktemp("sites")
+    np.save(folder / "h.npy", np.random.default_rng(8).standard_normal(HIDDEN // 4).astype(np.float32))  # head_dim 16
+    return write_spec(folder, interventions=SITES_SPEC)
+
+
+@pytest.fixture(scope="module")
+def sites_reference(llama_path, tasks, sites_spec):
+    from test_cluster import MODEL_ARGS
+
+    return evaluate("mlx", {"pretrained": str(llama_path), **MODEL_ARGS, "steer": sites_spec}, tasks)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_every_site_steers_alike_on_1_and_3_ray_workers(ray_cluster, llama_path, tasks, sites_spec, sites_reference, workers):
+    ours, info = run_ray(llama_path, tasks, steer=sites_spec, workers=workers)
+    assert info["workers"] == workers
+    assert_same(ours, sites_reference)
+
+
+@pytest.mark.parametrize("batch_size, prefix_reuse", [(1, True), (32, False), (32, True)])
+def test_every_site_steers_alike_at_any_batching(llama_path, tasks, sites_spec, sites_reference, batch_size, prefix_reuse):
+    from test_cluster import MODEL_ARGS
+
+    plain = evaluate("mlx", {"pretrained": str(llama_path), **MODEL_ARGS}, tasks, MC)
+    assert max(abs(a - b) for a, b in zip(logprobs(plain), logprobs(sites_reference))) > 1e-2  # the sites steer
+    args = {**MODEL_ARGS, "batch_size": batch_size, "max_batch_tokens": 8192, "prefix_reuse": prefix_reuse}
+    assert_same(evaluate("mlx", {"pretrained": str(llama_path), **args, "steer": sites_spec}, tasks), sites_reference)
+
+
 def test_steering_changes_numbers_and_is_recorded(llama_path, tasks, spec, steered_reference):
     from test_cluster import MODEL_ARGS
 
