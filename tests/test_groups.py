@@ -17,37 +17,17 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-import lm_eval  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
 from cluster import ClusterError  # noqa: E402
 from cluster.groups import GroupRank  # noqa: E402
 from driver.lm.mlx_ray import MLXRayLM  # noqa: E402
 
+from test_cluster import MC, MODEL_ARGS, TASKS, evaluate, reference, tasks  # noqa: E402,F401  the same runs and fixtures
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
 
-TASKS = ["orchard_mc", "orchard_ppl", "orchard_gen"]
-MC = ["orchard_mc"]  # 48 loglikelihood requests: many chunks
-MODEL_ARGS = {"max_length": 64, "batch_size": 4, "max_batch_tokens": 128}  # small chunks: many per run
 TOLERANCE = {"pipeline": 1e-5, "tensor": 1e-4}  # pipeline runs the same ops; tensor sums partial products
-
-
-@pytest.fixture(scope="module")
-def tasks(tasks_dir):
-    return TaskManager(include_path=str(tasks_dir))
-
-
-@pytest.fixture(scope="module")
-def reference(llama_path, tasks):
-    """The unsplit in-process `mlx` model on the same requests."""
-    return evaluate("mlx", {"pretrained": str(llama_path), **MODEL_ARGS}, tasks)
-
-
-def evaluate(model, model_args, manager, names=TASKS):
-    return lm_eval.simple_evaluate(
-        model=model, model_args=model_args, tasks=names, task_manager=manager, log_samples=True, verbosity="ERROR"
-    )
 
 
 class Slow(GroupRank):

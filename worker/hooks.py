@@ -284,8 +284,8 @@ def _instrument_heads(block, layer: int, hooks: HookManager) -> None:
     attention = next((getattr(block, n) for n in ATTENTION_NAMES if callable(getattr(block, n, None))), None)
     projection = next((getattr(attention, n) for n in OUTPUT_PROJECTIONS if callable(getattr(attention, n, None))), None)
     if projection is None:
-        where = "an attention module" if attention is None else f"an output projection ({' / '.join(OUTPUT_PROJECTIONS)}) in its attention"
-        hooks.missing.setdefault("attn_head", f"its blocks expose no {where}, so single heads cannot be reached")
+        where = "no attention module" if attention is None else f"no output projection ({' / '.join(OUTPUT_PROJECTIONS)}) in their attention"
+        hooks.missing.setdefault("attn_head", f"its blocks expose {where}, so single heads cannot be reached")
         return
     if not getattr(projection, "_orchard_projection", False):
         projection.__class__ = _hooked_projection(type(projection))
