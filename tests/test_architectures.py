@@ -184,8 +184,14 @@ def test_residual_stream_that_is_not_batch_seq_hidden_is_refused(llama_path):
 # --- branch sites: attn_out, mlp_out, resid_mid ----------------------------------------------------
 
 
+BY_HAND = {"glm4": ("post_self_attn_layernorm", "post_mlp_layernorm"), "afmoe": ("post_attention_layernorm", "post_mlp_layernorm")}
+
+
 def branch_module(block, point: str):
     """The module whose output the block adds to its residual stream, found by hand per family."""
+    family = type(block).__module__.rpartition(".")[2]
+    if family in BY_HAND:  # read off their blocks' __call__ in mlx-lm
+        return getattr(block, BY_HAND[family][point == "mlp_out"])
     if point == "attn_out":
         post = getattr(block, "post_feedforward_layernorm", None) and block.post_attention_layernorm
         return post or getattr(block, "self_attn", None) or block.attn
@@ -258,11 +264,18 @@ def tiny(family: str, **extra):
     return model
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "olmo2"])
+POST_NORM_FAMILIES = {
+    "gemma2": {}, "gemma3_text": {}, "olmo2": {},
+    "glm4": {"partial_rotary_factor": 0.5, "attention_bias": False, "rope_theta": 1e4},  # its post_attention_layernorm is pre-MLP
+    "afmoe": {"layer_types": ["full_attention", "sliding_attention", "full_attention"], "rope_theta": 1e4},
+}
+
+
+@pytest.mark.parametrize("family", POST_NORM_FAMILIES)
 @pytest.mark.parametrize("site", ["attn_out", "mlp_out"])
 def test_post_branch_norm_families_steer_the_branch_as_it_is_added(family, site):
-    """gemma2/3 and olmo2 normalise each branch's output before adding it: the site is after that norm."""
-    model = tiny(family, sliding_window_pattern=2, sliding_window=4)
+    """gemma2/3, olmo2, glm4 and afmoe normalise each branch's output before adding it: the site is after that norm."""
+    model = tiny(family, sliding_window_pattern=2, sliding_window=4, **POST_NORM_FAMILIES[family])
     x = mx.array(TOKENS)
     plain = model(x)
     shift = 0.5 * mx.random.normal((32,), key=mx.random.key(3))

@@ -32,6 +32,8 @@ HOOK_POINTS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "a
 # What each family names its branches, and the norms applied to a branch's output before the residual add.
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn", "mlp_block")
+# What blocks that normalise the MLP branch's output before adding it name that norm.
+POST_MLP_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")
 # What the attention module names its output projection, whose input is the heads' outputs side by side.
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
 
@@ -298,10 +300,14 @@ def _branch_modules(block) -> dict[str, Any]:
         return next((getattr(block, n) for n in names if callable(getattr(block, n, None))), None)
 
     found = {"attn_out": first(ATTENTION_NAMES), "mlp_out": first(MLP_NAMES)}
-    if hasattr(block, "post_feedforward_layernorm"):  # post-branch norms (gemma2/3, olmo2): their outputs are added
-        found["mlp_out"] = block.post_feedforward_layernorm if found["mlp_out"] is not None else None
-        post_attn = getattr(block, "post_attention_layernorm", None)
-        found["attn_out"] = post_attn if found["attn_out"] is not None and post_attn is not None else None
+    post_mlp = first(POST_MLP_NORMS)
+    if post_mlp is None:
+        return found
+    # post-branch norms (gemma2/3, olmo2, afmoe, glm4): their outputs are what the block adds. The attention's is
+    # `post_self_attn_layernorm`, else `post_attention_layernorm` (glm4's is its pre-MLP norm: it has the former)
+    post_attn = first(("post_self_attn_layernorm", "post_attention_layernorm"))
+    found["mlp_out"] = post_mlp if found["mlp_out"] is not None else None
+    found["attn_out"] = post_attn if found["attn_out"] is not None and post_attn is not None else None
     return found
 
 
