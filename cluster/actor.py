@@ -47,16 +47,21 @@ class WorkerActor:
         device = mlx_device()
         return device["model_memory_gb"], device["model_memory_source"]
 
-    def check_fits(self, folder: Path) -> None:
-        """Refuse, in one line, weights larger than the node's memory for models (before MLX tries and swaps)."""
-        need = weights_bytes(folder) / 2**30
+    def check_fits(self, folder: Path, size: int = 1) -> None:
+        """Refuse, in one line, weights (this rank's 1/`size` share of them, in a worker group) larger than the
+        node's memory for models, before MLX tries and swaps; the refusal names the group size that would fit."""
+        total = weights_bytes(folder) / 2**30
         have, source = self.memory_for_models()
-        if need > have:
-            raise ModelLoadError(
-                f"the model's weights ({need:.1f} GB) do not fit in the {have:.1f} GB this node has for models "
-                f"({source}): use a smaller or quantized model (e.g. an mlx-community 4-bit one), pass --group-size "
-                f"{-(-need // max(have, 1e-9)):.0f} (or auto) to split it across that many nodes, or leave this node out"
-            )
+        if total / size <= have:
+            return
+        fit = -(-total // max(have, 1e-9))
+        held = f"the model's weights ({total:.1f} GB)" if size == 1 else \
+            f"this rank's share of the weights ({total / size:.1f} GB of {total:.1f} GB over {size} ranks)"
+        raise ModelLoadError(
+            f"{held} do not fit in the {have:.1f} GB this node has for models ({source}): use a smaller or quantized "
+            f"model (e.g. an mlx-community 4-bit one), pass --group-size {fit:.0f} (or auto) to split it across that "
+            "many nodes, or leave this node out"
+        )
 
     def facts(self) -> dict:
         """Where this worker runs and what it holds; raises the load error if the model did not load."""

@@ -87,20 +87,21 @@ def run_ray(llama_path, manager, names=TASKS, model=MLXRayLM, **args):
         lm.executor.close()
 
 
-def assert_same(ours, ref, names=TASKS):
+def assert_same(ours, ref, names=TASKS, tolerance=1e-5):
+    """Sample by sample, within `tolerance` (a tensor-split group sums partial products: 1e-4); texts identical."""
     for task in names:
         mine, theirs = ours["samples"][task], ref["samples"][task]
         assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in theirs]
         for a, b in zip(mine, theirs):
             for (x,), (y,) in zip(a["resps"], b["resps"]):
                 if task == "orchard_mc":
-                    assert abs(x[0] - y[0]) <= 1e-5 and x[1] == y[1], (task, x, y)
+                    assert abs(x[0] - y[0]) <= tolerance and x[1] == y[1], (task, x, y)
                 elif task == "orchard_ppl":
-                    assert abs(x - y) <= 1e-5 * max(1.0, abs(y)), (task, x, y)
+                    assert abs(x - y) <= tolerance * max(1.0, abs(y)), (task, x, y)
                 else:
                     assert x == y, (task, x, y)
         for metric, value in ref["results"][task].items():
-            expected = pytest.approx(value, rel=1e-6) if isinstance(value, float) else value
+            expected = pytest.approx(value, rel=max(1e-6, tolerance / 10)) if isinstance(value, float) else value
             assert ours["results"][task][metric] == expected, (task, metric)
 
 

@@ -23,7 +23,7 @@ from cluster import ClusterError  # noqa: E402
 from cluster.groups import GroupRank  # noqa: E402
 from driver.lm.mlx_ray import MLXRayLM  # noqa: E402
 
-from test_cluster import MC, MODEL_ARGS, TASKS, evaluate, reference, tasks  # noqa: E402,F401  the same runs and fixtures
+from test_cluster import MC, MODEL_ARGS, TASKS, assert_same, evaluate, reference, run_ray, tasks  # noqa: E402,F401  the same runs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
 
@@ -51,29 +51,6 @@ def open_lm(llama_path, model=MLXRayLM, **args):
     return model.create_from_arg_obj({"pretrained": str(llama_path), **MODEL_ARGS, **args})
 
 
-def run_groups(llama_path, manager, names=TASKS, model=MLXRayLM, **args):
-    """simple_evaluate with fresh worker groups; (results, executor info). Always frees the groups."""
-    lm = open_lm(llama_path, model, **args)
-    try:
-        return evaluate(lm, None, manager, names), lm.executor.info()
-    finally:
-        lm.executor.close()
-
-
-def assert_same(ours, ref, names=TASKS, tolerance=1e-5):
-    for task in names:
-        mine, theirs = ours["samples"][task], ref["samples"][task]
-        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in theirs]
-        for a, b in zip(mine, theirs):
-            for (x,), (y,) in zip(a["resps"], b["resps"]):
-                if task == "orchard_mc":
-                    assert abs(x[0] - y[0]) <= tolerance and x[1] == y[1], (task, x, y)
-                elif task == "orchard_ppl":
-                    assert abs(x - y) <= tolerance * max(1.0, abs(y)), (task, x, y)
-                else:
-                    assert x == y, (task, x, y)  # greedy text identical
-
-
 def free_units(want: int = 4, wait: float = 20.0) -> float:
     """The cluster's free `mlx` units, waiting up to `wait` s for them to come back to `want`."""
     deadline = time.monotonic() + wait
@@ -90,7 +67,7 @@ def alive_ranks() -> list:
 
 @pytest.mark.parametrize("split", ["pipeline", "tensor"])
 def test_one_group_of_two_equals_the_unsplit_model(ray_cluster, llama_path, tasks, reference, split):
-    ours, info = run_groups(llama_path, tasks, group_size=2, split=split, workers=1)
+    ours, info = run_ray(llama_path, tasks, group_size=2, split=split, workers=1)
     assert_same(ours, reference, tolerance=TOLERANCE[split])
     assert info["workers"] == 1 and info["nodes"] == 2  # one worker to the scheduler, on two nodes
     (group,) = info["groups"]
@@ -103,7 +80,7 @@ def test_one_group_of_two_equals_the_unsplit_model(ray_cluster, llama_path, task
 
 
 def test_two_groups_equal_one_and_both_take_chunks(ray_cluster, llama_path, tasks, reference):
-    ours, info = run_groups(llama_path, tasks, group_size=2, split="pipeline", workers=2)
+    ours, info = run_ray(llama_path, tasks, group_size=2, split="pipeline", workers=2)
     assert_same(ours, reference)
     assert info["workers"] == 2 and info["nodes"] == 4
     assert len(info["requests_computed"]) == 2 and all(n > 0 for n in info["requests_computed"].values())

@@ -9,11 +9,10 @@ a process keeps its first ring for life.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from worker.jobs import run
-from worker.load import ModelLoadError, load, resolve, weights_bytes
+from worker.load import load, resolve
 from worker.spec import Batching, Grouping, Job, ModelSpec
 from worker.split import peak_memory_gb
 
@@ -41,24 +40,13 @@ class GroupRank(WorkerActor):
 
         return free_address(_node_ip())
 
-    def check_share(self, folder: Path, size: int) -> None:
-        """Refuse, in one line, a share of the weights larger than this node's memory for models."""
-        need = weights_bytes(folder) / size / 2**30
-        have, source = self.memory_for_models()
-        if need > have:
-            fit = -(-need * size // max(have, 1e-9))
-            raise ModelLoadError(
-                f"this rank's share of the weights ({need:.1f} GB of {need * size:.1f} GB over {size} ranks) does not fit "
-                f"in the {have:.1f} GB this node has for models ({source}): pass --group-size {fit:.0f} (or auto), or use a smaller model"
-            )
-
     def form(self, hostfile: list[str], grouping: Grouping, timeout: float) -> dict:
         """Join the ring with the group's other ranks, load this rank's share; this rank's facts."""
         from worker.split.ring import join
 
         self.grouping = grouping
         folder = resolve(self.spec.model, self.spec.revision, self.spec.adapter_path)
-        self.check_share(folder, grouping.size)
+        self.check_fits(folder, grouping.size)
         ring = join(hostfile, self.rank_in_group, timeout)
         self.lm = load(self.spec.model_copy(update={"model": str(folder)}), group=ring, grouping=grouping)
         return self.facts()
