@@ -411,3 +411,28 @@ OVERRIDES: dict[str, dict] = {'Klear': {'attention_bias': False, 'decoder_sparse
              'sliding_window': 64,
              'use_head_wise_attn_gate': True,
              'vocab_size': 1024}}
+
+
+# Real-size configs for the driver's check cost (`coverage_sites.py --skeleton`): Llama-3-70B, DeepSeek-V3, Qwen3-Next.
+LLAMA70 = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+           "num_attention_heads": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "vocab_size": 128256,
+           "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+           "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+DSV3 = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
+        "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "quantization": {"group_size": 64, "bits": 4}}
+QNEXT = {"model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 16,
+         "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512,
+         "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10, "decoder_sparse_step": 1,
+         "norm_topk_prob": True, "mlp_only_layers": [], "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 10000000,
+         "partial_rotary_factor": 0.25, "max_position_embeddings": 262144, "full_attention_interval": 4,
+         "linear_num_value_heads": 32, "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+         "linear_conv_kernel_dim": 4, "tie_word_embeddings": False, "attention_bias": False}
+BIG = {"llama 80 layers, hidden 8192": LLAMA70, "deepseek_v3 256 experts (4-bit config)": DSV3, "qwen3_next 512 experts": QNEXT}

@@ -32,9 +32,10 @@ import mlx_lm.models  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from worker.hooks import Capture, HookError, Rows, decoder_layers, instrument  # noqa: E402
-from worker.spec import SITES  # noqa: E402
+from worker.hooks.branches import scale  # noqa: E402
+from worker.spec import SITES, site_missing  # noqa: E402
 
-from coverage_args import LAYERS, OVERRIDES, TINY, TOKENS, VOCAB  # noqa: E402
+from coverage_args import BIG, LAYERS, OVERRIDES, TINY, TOKENS, VOCAB  # noqa: E402
 
 
 HELPERS = {"base", "cache", "rope_utils", "switch_layers", "pipeline", "activations", "bitlinear_layers",
@@ -61,13 +62,19 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:150]
 
 
-def tiny_args(family: str, mod) -> object:
+def tiny_config(family: str) -> dict:
+    """The config.json dict of a tiny `family` model (what mlx-lm's ModelArgs.from_dict reads)."""
+    mod = importlib.import_module(f"mlx_lm.models.{family}")
     fields = {f.name for f in dataclasses.fields(mod.ModelArgs)}
     config = {k: v for k, v in TINY.items() if k in fields}
     config = {**config, "model_type": family, **OVERRIDES.get(family, {})}
     if "text_config" in fields and "text_config" not in OVERRIDES.get(family, {}):
         config["text_config"] = {**TINY, "model_type": family, **config.get("text_config", {})}
-    return mod.ModelArgs.from_dict(config)
+    return config
+
+
+def tiny_args(family: str, mod) -> object:
+    return mod.ModelArgs.from_dict(tiny_config(family))
 
 
 def build(family: str):
@@ -92,10 +99,17 @@ def forward(model, hooks=None):
     return out
 
 
+def site_layer(hooks, site: str, middle: int) -> int:
+    """The layer a site is tried at: the middle one, else the nearest that has it (hybrids: attention on some layers)."""
+    having = [i for i in range(hooks.n_layers) if not site_missing(hooks.missing, site, i)]
+    return min(having, key=lambda i: (abs(i - middle), i)) if having else middle
+
+
 def try_site(model, hooks, site: str, layer: int, plain) -> str:
     """'ok', 'refused: why' or 'FAIL: why' for one site: a Capture, then an add of a vector of the captured width."""
-    if site in hooks.missing:
-        return f"refused: {hooks.missing[site]}"
+    why = site_missing(hooks.missing, site, layer)
+    if why:
+        return f"refused: {why}"
     name = f"{site}.{layer}"
     cap = Capture("last")
     try:
@@ -116,23 +130,31 @@ def try_site(model, hooks, site: str, layer: int, plain) -> str:
     return "ok"
 
 
-def adds_up(model, hooks, layer: int) -> str:
-    """Whether resid_mid == resid_pre + attn_out and resid_post ~ resid_mid + mlp_out at `layer`."""
+def adds_up(model, hooks, middle: int) -> str:
+    """Whether resid_mid == resid_pre + attn_out and resid_post ~ resid_mid + mlp_out at the layer nearest the
+    middle that has all five sites; in blocks that scale both branches before adding them (granite's
+    residual_multiplier, minicpm's scale_depth) the branches are the modules' outputs, so the sums are scaled too."""
     names = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-    if any(n in hooks.missing for n in names):
+    having = [i for i in range(hooks.n_layers) if not any(site_missing(hooks.missing, n, i) for n in names)]
+    if not having:
         return "n/a"
+    layer = min(having, key=lambda i: (abs(i - middle), i))
     caps = {n: Capture("last") for n in names}
     try:
         with hooks.installed([(f"{n}.{layer}", caps[n]) for n in names]):
             forward(model, hooks)
     except Exception as e:  # noqa: BLE001
         return f"FAIL: {first_line(e)}"
-    pre, attn, mid, mlp, post = (caps[n].records[0].astype(mx.float32) for n in names)
+    pre, attn, mid, mlp, post = (caps[n].records[0] for n in names)
+    factor = scale(decoder_layers(model)[layer])
+    if factor is not None:  # as the block computes it: x + r * multiplier
+        attn, mlp = attn * factor, mlp * factor
+    pre, attn, mid, mlp, post = (a.astype(mx.float32) for a in (pre, attn, mid, mlp, post))
     if not mx.array_equal(mid, pre + attn).item():
         return f"FAIL: resid_mid != resid_pre + attn_out (max {mx.abs(mid - pre - attn).max().item():.3g})"
     if not mx.allclose(post, mid + mlp, atol=1e-4).item():
         return f"FAIL: resid_post != resid_mid + mlp_out (max {mx.abs(post - mid - mlp).max().item():.3g})"
-    return "ok"
+    return "ok" if factor is None else f"ok: branches scaled by {factor:.3g}"
 
 
 def check_family(family: str) -> dict:
@@ -147,17 +169,33 @@ def check_family(family: str) -> dict:
         hooks = instrument(model)
     except Exception as e:  # noqa: BLE001
         return {**row, "build": None, "instrument": first_line(e)}
-    layer = n // 2
-    row.update(build=None, instrument=None, layer=layer, n_layers=n)
+    middle = n // 2
+    row.update(build=None, instrument=None, layer=middle, n_layers=n)
     row["noop"] = "ok" if mx.array_equal(forward(model), plain).item() else "FAIL"
     for site in SITES:
+        layer = site_layer(hooks, site, middle)
         row[site] = try_site(model, hooks, site, layer, plain)
-    row["adds_up"] = adds_up(model, hooks, layer)
+        row[f"{site}_layers"] = layers_refused(hooks, site)
+    row["adds_up"] = adds_up(model, hooks, middle)
     return row
 
 
+def layers_refused(hooks, site: str) -> list[str]:
+    """Each per-layer refusal of a site some other layer has (its one-line message), tried through `installed`."""
+    out = []
+    for i in range(hooks.n_layers):
+        if f"{site}.{i}" in hooks.missing:
+            try:
+                with hooks.installed([(f"{site}.{i}", Capture("last"))]):
+                    pass
+                out.append(f"FAIL: {site}.{i} installed though missing")
+            except HookError as e:
+                out.append(str(e))
+    return out
+
+
 def short(result: str) -> str:
-    return "ok" if result == "ok" else result.split(":")[0]
+    return result.split(":")[0]
 
 
 def report(rows: list[dict]) -> None:
@@ -179,6 +217,10 @@ def report(rows: list[dict]) -> None:
     noop = sum(r["noop"] == "ok" for r in built)
     print(f"instrumenting bitwise a no-op: {noop} of {len(built)}; captures add up: "
           f"{sum(r['adds_up'] == 'ok' for r in built)} ok, {sum(r['adds_up'] == 'n/a' for r in built)} n/a")
+    per_layer = [(r["family"], m) for r in built for s in SITES for m in r.get(f"{s}_layers", [])[:1]]
+    print(f"\nrefused at some layers only (first refusal per family and site; {len(per_layer)}):")
+    for family, message in per_layer:
+        print(f"  {family}: {message}")
     print("\nrefused and failing (family site: reason):")
     for r in built:
         for key in (*SITES, "adds_up"):
@@ -196,11 +238,35 @@ def isolated(family: str) -> dict:
     return json.loads(lines[-1])
 
 
+def skeleton_cost(name: str | None) -> None:
+    """Time and RSS growth of worker.hooks.skeleton.missing_sites on real-size configs, each in a fresh process."""
+    if name is None:
+        for big in BIG:
+            subprocess.run([sys.executable, __file__, "--big", big], check=True)
+        return
+    import time
+
+    from worker.hooks.skeleton import missing_sites
+
+    def rss() -> float:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20  # Linux; pages of 4 KiB
+
+    before, start = rss(), time.perf_counter()
+    missing = missing_sites(BIG[name])
+    print(f"{name}: {time.perf_counter() - start:.3f} s, RSS +{rss() - before:.1f} MB, MLX active "
+          f"{mx.get_active_memory() / 2**20:.1f} MB, {len(missing)} refusals")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("families", nargs="*", help="only these families (default: every one)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one family, one JSON line
+    parser.add_argument("--skeleton", action="store_true", help="the driver's check cost on real-size configs")
+    parser.add_argument("--big", help=argparse.SUPPRESS)  # the child process: one real-size config
     args = parser.parse_args()
+    if args.skeleton or args.big:
+        skeleton_cost(args.big)
+        return
     if args.one:
         print(json.dumps(check_family(args.one)))
         return

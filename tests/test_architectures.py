@@ -4,6 +4,7 @@ residual stream between blocks, and a hook that cannot run is an error, never a 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -297,9 +298,166 @@ def test_post_branch_norm_families_steer_the_branch_as_it_is_added(family, site)
 def test_a_parallel_block_has_no_resid_mid_and_says_so_in_one_line():
     model = tiny("phi", layer_norm_eps=1e-5, partial_rotary_factor=0.5)
     hooks = instrument(model)
-    with pytest.raises(HookError, match=r"resid_mid\.1: the phi block has no resid_mid: .*parallel.*steer attn_out") as e:
+    with pytest.raises(HookError, match=r"resid_mid\.1: the phi block runs attention and MLP in parallel .*no resid_mid: steer attn_out") as e:
         with hooks.installed([("resid_mid.1", Capture("last"))]):
             pass
     assert "\n" not in str(e.value) and not hooks.active
     with hooks.installed([("attn_out.1", Capture("last")), ("mlp_out.1", Capture("last"))]), hooks.forward(Rows()):
         model(mx.array(TOKENS))  # its branch outputs are there, and both ran
+
+
+# --- branches other families name otherwise, hybrids' attention layers, scaled branches ---------------------------
+
+
+def tiny_family(family: str):
+    """A tiny mlx-lm `family` model with evaluated random weights, from the coverage bench's per-family args."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import coverage_sites
+
+    return coverage_sites.build(family)
+
+
+def in_fresh_process(check: str, *args) -> None:
+    """Run `check(*args)` of this module in a new Python process with one BLAS thread: on a busy box, threaded CPU
+    matmuls of the tiny random MoE / gated-delta families are not bitwise repeatable (hooks or not), and a routing
+    flip turns the last bit into a large jump; one thread in a fresh process, as the coverage bench runs, is."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve()
+    code = f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here.parents[1])!r}]; import {here.stem} as t; t.{check}(*{args!r})"
+    one_thread = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=os.environ | one_thread)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+# family: (layer, the attention branch's module, the MLP branch's module), read off each block's __call__ in mlx-lm:
+# the module whose output the block adds to its residual stream (at a layer whose block has attention)
+BRANCHES_BY_HAND = {
+    "dbrx": (1, "norm_attn_norm.attn", "ffn"),  # NormAttnNorm adds attn's output, returns (x, norm_2(x))
+    "exaone": (1, "attn.attention", "mlp"),  # h = x + self.attn.attention(...)
+    "plamo3": (1, "post_mixer_norm", "post_mlp_norm"),  # residual + post_mixer_norm(mixer(...))
+    "plamo2": (1, "post_mixer_norm", "post_mlp_norm"),  # layers 1, 3: Attention mixers (0, 2: Mamba)
+    "phixtral": (1, "mixer", "moe"),  # attn_h + ff_h + x
+    "talkie": (1, "attn_gain", "mlp_gain"),  # x + attn_gain(attn(...)): the learned gain is part of the branch
+    "qwen3_next": (3, "self_attn", "mlp"),  # layer 3: full attention (0-2: linear attention)
+    "jamba": (1, "self_attn", "feed_forward"),
+    "lfm2": (1, "self_attn", "feed_forward"),
+    "recurrent_gemma": (2, "temporal_block", "mlp_block"),  # layer 2: LocalAttentionBlock
+    "olmo_hybrid": (3, "post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+
+def module_at(block, path: str):
+    for name in path.split("."):
+        block = getattr(block, name)
+    return block
+
+
+@contextlib.contextmanager
+def shifted_module(module, shift):
+    """`module`'s output passed through `shift` (an instance patch: the block's own __call__ runs as written)."""
+    cls = type(module)
+
+    class Shifted(cls):
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *args, **kwargs)
+            return (shift(out[0]), *out[1:]) if isinstance(out, tuple) else shift(out)
+
+    module.__class__ = Shifted
+    try:
+        yield
+    finally:
+        module.__class__ = cls
+
+
+@pytest.mark.parametrize("family", BRANCHES_BY_HAND)
+@pytest.mark.parametrize("site", ["attn_out", "mlp_out"])
+def test_each_familys_branch_is_steered_as_its_block_adds_it(family, site):
+    """Adding at attn_out / mlp_out equals shifting, by hand, the module whose output the family's own block adds;
+    resid_mid captures resid_pre + attn_out bit for bit (not in phixtral's parallel block, which has none)."""
+    in_fresh_process("branch_as_added", family, site)
+
+
+def branch_as_added(family: str, site: str) -> None:
+    model = tiny_family(family)
+    layer, *paths = BRANCHES_BY_HAND[family]
+    block = decoder_layers(model)[layer]
+    x = mx.array(TOKENS)
+    plain = model(x)
+    hooks = instrument(model)
+    assert mx.array_equal(model(x), plain).item()  # nothing installed: bitwise the plain model
+    width = Capture("last")
+    with hooks.installed([(f"resid_pre.{layer}", width)]), hooks.forward(Rows()):
+        model(x)
+    shift = 0.5 * mx.random.normal((width.records[0].shape[-1],), key=mx.random.key(3))
+    with shifted_module(module_at(block, paths[site == "mlp_out"]), lambda y: y + shift):  # the block's own add
+        manual = model(x)
+    with hooks.installed([(f"{site}.{layer}", lambda y, ctx: y + shift)]), hooks.forward(Rows()):
+        ours = model(x)
+    assert mx.allclose(ours, manual, atol=1e-5).item(), mx.abs(ours - manual).max().item()
+    assert not mx.allclose(ours, plain, atol=1e-3).item()
+    if family == "phixtral":
+        return
+    caps = {n: Capture("all") for n in ("resid_pre", "attn_out", "resid_mid")}
+    with hooks.installed([(f"{n}.{layer}", c) for n, c in caps.items()]), hooks.forward(Rows()):
+        model(x)
+    pre, attn, mid = (caps[n].records[0][0] for n in ("resid_pre", "attn_out", "resid_mid"))
+    assert mx.array_equal(mid, pre + attn).item()
+
+
+@pytest.mark.parametrize("family", ["granite", "minicpm"])
+def test_scaled_branches_are_the_modules_outputs_and_resid_mid_is_the_scaled_sum(family):
+    """granite (residual_multiplier 0.22) and minicpm (scale_depth / sqrt(layers)) add each branch times a number:
+    attn_out is the module's output (lm-eval `steered` at layers.L.self_attn), the residual receives it scaled;
+    resid_mid is the block's own x + attn_out * scale, and adding v there is adding v / scale to attn_out."""
+    in_fresh_process("scaled_branches", family)
+
+
+def scaled_branches(family: str) -> None:
+    from worker.hooks.branches import scale
+
+    model = tiny_family(family)
+    block = decoder_layers(model)[MIDDLE]
+    factor = scale(block)
+    assert factor is not None and factor != 1
+    x = mx.array(TOKENS)
+    shift = 0.5 * mx.random.normal((64,), key=mx.random.key(4))
+    with shifted_module(block.self_attn, lambda y: y + shift / factor):
+        manual = model(x)
+    hooks = instrument(model)
+    with hooks.installed([(f"resid_mid.{MIDDLE}", lambda y, ctx: y + shift)]), hooks.forward(Rows()):
+        ours = model(x)
+    assert mx.allclose(ours, manual, atol=1e-4).item() and not mx.allclose(ours, model(x), atol=1e-3).item()
+    caps = {n: Capture("all") for n in ("resid_pre", "attn_out", "resid_mid")}
+    with hooks.installed([(f"{n}.{MIDDLE}", c) for n, c in caps.items()]), hooks.forward(Rows()):
+        model(x)
+    pre, attn, mid = (caps[n].records[0][0] for n in ("resid_pre", "attn_out", "resid_mid"))
+    assert mx.array_equal(mid, pre + attn * factor).item()
+
+
+def test_the_residual_stream_argument_is_found_by_its_name():
+    """talkie's blocks are called `block(e_x, x, mask, cache)`: resid_pre is `x` (the residual stream), not the
+    embedding skip `e_x` that comes first."""
+    in_fresh_process("residual_argument_by_name")
+
+
+def residual_argument_by_name() -> None:
+    model = tiny_family("talkie")
+    blocks = decoder_layers(model)
+    x = mx.array(TOKENS)
+    shift = mx.random.normal((64,), key=mx.random.key(5))
+    block = blocks[MIDDLE]
+    blocks[MIDDLE] = lambda e_x, h, *args, **kwargs: block(e_x, h + shift, *args, **kwargs)
+    manual = model(x)
+    blocks[MIDDLE] = block
+    hooks = instrument(model)
+    with hooks.installed([(f"resid_pre.{MIDDLE}", lambda y, ctx: y + shift)]), hooks.forward(Rows()):
+        ours = model(x)
+    assert mx.allclose(ours, manual, atol=1e-5).item() and not mx.allclose(ours, model(x), atol=1e-3).item()

@@ -146,3 +146,104 @@ def test_steering_is_the_same_with_and_without_prefix_reuse(lm):
     unsteered = loglikelihood(lm, reqs)
     assert max(abs(a[0] - b[0]) for a, b in zip(reused, plain)) < 1e-4
     assert max(abs(a[0] - b[0]) for a, b in zip(reused, unsteered)) > 1e-2
+
+
+# --- which hook points a model has, per layer, known before any worker loads it -------------------------------
+
+
+def tiny_family(family: str):
+    """(config.json dict, built model with evaluated random weights) of a tiny mlx-lm `family` model, from the
+    coverage bench's per-family args (bench/coverage_args.py: 4 layers, hidden 64)."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import coverage_sites
+
+    return coverage_sites.tiny_config(family), coverage_sites.build(family)
+
+
+def refusal(hooks, name: str) -> str:
+    from worker.hooks import HookError
+
+    with pytest.raises(HookError) as e:
+        with hooks.installed([(name, Capture("last"))]):
+            pass
+    assert "\n" not in str(e.value) and not hooks.active
+    return str(e.value)
+
+
+def test_a_hybrid_has_attention_sites_exactly_at_its_attention_layers():
+    """qwen3_next (tiny: layers 0-2 linear attention, 3 full attention): attn_out, attn_head and resid_mid work at
+    layer 3 and are refused at 0-2 in one line naming the layers that have them; the residual sites work everywhere."""
+    _, model = tiny_family("qwen3_next")
+    hooks = instrument(model)
+    x = mx.array(TOKENS)
+    plain = model(x)
+    for site in ("attn_out", "attn_head", "resid_mid"):
+        assert refusal(hooks, f"{site}.2") == (
+            f"{site}.2: the qwen3_next block at layer 2 has no {site} ("
+            + ("resid_mid follows an attention branch: " if site == "resid_mid" else "")
+            + "its token mixer is Qwen3NextGatedDeltaNet (linear_attn), not attention); layers with one: 3"
+        )
+        cap = Capture("last")
+        with hooks.installed([(f"{site}.3", cap)]), hooks.forward(Rows()):
+            assert mx.allclose(model(x), plain, atol=1e-5).item()  # bitwise: tests/test_architectures (fresh processes)
+        shift = mx.ones((cap.records[0].shape[-1],))
+        with hooks.installed([(f"{site}.3", lambda y, ctx: y + shift)]), hooks.forward(Rows()):
+            assert not mx.allclose(model(x), plain, atol=1e-4).item(), site
+    with hooks.installed([("mlp_out.2", Capture("last")), ("resid_post.2", Capture("last"))]), hooks.forward(Rows()):
+        model(x)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next", "jamba", "lfm2", "nemotron_h", "falcon_h1", "phi", "dbrx",
+                                    "granitemoehybrid", "longcat_flash", "deepseek_v41", "gemma3n", "iquestloopcoder"])
+def test_the_heads_check_says_what_the_workers_hooks_will_say(family):
+    """worker.hooks.skeleton builds the blocks from config.json alone (no weights, nothing evaluated) and reads the
+    hooks' own per-layer `missing`: the same as instrumenting the real model, never a silent fallback to the rules."""
+    from worker.hooks.skeleton import missing_sites
+    from worker.spec import missing_sites as config_rules
+
+    config, model = tiny_family(family)
+    assert missing_sites(config) == {**config_rules(config), **instrument(model).missing}
+    if family in ("deepseek_v41", "gemma3n", "iquestloopcoder"):  # residual stream not [batch, seq, hidden] / parts run
+        assert "copies wide" in missing_sites(config)["resid_pre"] or family == "iquestloopcoder"
+        assert ("attn_out" in missing_sites(config)) == (family == "iquestloopcoder")
+
+
+def test_the_skeleton_evaluates_nothing():
+    """A 1024-wide llama's blocks built for the check allocate none of its weights (MLX arrays stay unevaluated)."""
+    from worker.hooks.skeleton import skeleton
+
+    config = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "vocab_size": 32000,
+              "quantization": {"group_size": 64, "bits": 4}}  # fmt: skip
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    model = skeleton(config)
+    assert len(model.layers) == 4 and model.layers[0].mlp.up_proj.weight.shape == (4096, 1024)  # unquantized
+    assert mx.get_active_memory() - before < 2**20  # the weights alone would be ~300 MB
+
+
+def test_the_driver_refuses_a_site_at_a_layer_without_it_before_any_worker_starts(tmp_path):
+    from driver.checks.errors import Refused
+    from driver.checks.model import check_site
+    from driver.steering.spec import SteeringError, for_model
+
+    config, _ = tiny_family("qwen3_next")
+    np.save(tmp_path / "v.npy", np.ones(64, np.float32))
+    spec = {"interventions": [{"layer": 1, "site": "attn_out", "vector": "v.npy"}]}
+    with pytest.raises(SteeringError) as e:
+        for_model(spec, config, base_dir=tmp_path)
+    assert str(e.value) == ("steering spec (dict): interventions[0].site: the qwen3_next block at layer 1 has no attn_out "
+                            "(its token mixer is Qwen3NextGatedDeltaNet (linear_attn), not attention); layers with one: 3")
+    spec["interventions"][0]["layer"] = -1  # layer 3
+    assert for_model(spec, config, base_dir=tmp_path).steering.interventions[0].layer == 3
+    with pytest.raises(Refused, match=r"^--site resid_mid: the qwen3_next block at layer 0 has no resid_mid"):
+        check_site(config, "resid_mid", [3, 0])
+    check_site(config, "resid_mid", [3])
+    gemma3n, _ = tiny_family("gemma3n")
+    with pytest.raises(Refused, match=r"^--site resid_post: the gemma3n block has no resid_post: its residual stream is several AltUp copies"):
+        check_site(gemma3n, "resid_post", [1])

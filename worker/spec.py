@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
@@ -26,16 +27,48 @@ def parallel_block(family: str, use_parallel_residual: object) -> bool:
     return family in PARALLEL_FAMILIES or use_parallel_residual is True
 
 
+# Families whose blocks no hook can reach as one place, or whose residual stream is not [batch, seq, hidden]:
+# {family: (sites refused at every layer, why)}. The worker's hooks apply the same table (worker.hooks).
+RESIDUAL_SITES = ("resid_pre", "resid_mid", "resid_post")
+FAMILY_GAPS = {
+    "deepseek_v41": (RESIDUAL_SITES, "its residual stream is several hyper-connection copies wide ([batch, seq, copies, "
+                                     "hidden]), not one stream: steer attn_out or mlp_out"),
+    "gemma3n": (RESIDUAL_SITES, "its residual stream is several AltUp copies wide ([copies, batch, seq, hidden]), not "
+                                "one stream: steer attn_out or mlp_out"),
+    "iquestloopcoder": (SITES, "its forward runs each block's parts itself, twice (two loops over the layers), so no "
+                               "hook point is one place in it"),
+}  # fmt: skip
+
+
+def family_gaps(family: str) -> dict[str, str]:
+    """{site: why} for the sites `family`'s blocks lack at every layer, whatever its config says."""
+    sites, why = FAMILY_GAPS.get(family, ((), ""))
+    return {site: f"the {family} block has no {site}: {why}" for site in sites}
+
+
+def site_missing(missing: Mapping[str, str], site: str, layer: int, n_layers: int | None = None) -> str | None:
+    """Why `site` at `layer` is missing (a per-layer entry "site.L", else one for every layer "site"); None if not.
+    A negative layer counts from the end when `n_layers` is known."""
+    if n_layers and layer < 0:
+        layer += n_layers
+    return missing.get(f"{site}.{layer}") or missing.get(site)
+
+
 def missing_sites(config: dict) -> dict[str, str]:
-    """{site: why} for the sites a model's blocks lack, read off its config.json (the worker's hooks agree)."""
+    """{site: why} for the sites a model's blocks lack, read off its config.json alone (the rules; the driver's
+    check builds the model's blocks without weights and asks the hooks, `worker.hooks.skeleton`, falling back to these)."""
     family = str(config.get("model_type", "model"))
-    missing = {}
+    missing = family_gaps(family)
     if not head_shape(config)[0]:
         missing["attn_head"] = f"the {family} config.json names no number of attention heads, so single heads cannot be told apart"
     if parallel_block(family, config.get("use_parallel_residual", family == "gpt_neox")):
-        missing["resid_mid"] = (f"the {family} block runs attention and MLP in parallel on the same input, so it has "
-                                "no resid_mid: steer attn_out or mlp_out")  # fmt: skip
+        missing["resid_mid"] = parallel_gap(family)
     return missing
+
+
+def parallel_gap(family: str) -> str:
+    return (f"the {family} block runs attention and MLP in parallel on the same input, so it has no resid_mid: steer "
+            "attn_out or mlp_out")  # fmt: skip
 
 
 def head_shape(config: dict) -> tuple[int | None, int | None]:
@@ -145,6 +178,7 @@ class Batching(BaseModel):
     batch_size: int = Field(default=32, ge=1, description="most rows in one forward")
     max_batch_tokens: int = Field(default=8192, ge=1, description="most padded tokens in one forward")
     prefix_reuse: bool = Field(default=True, description="compute a prefix shared by many requests once")
+    prefix_cache_mb: int = Field(default=1024, ge=0, description="MiB of prefix KV kept across chunks (0: none)")
 
 
 class Intervention(BaseModel):

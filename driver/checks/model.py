@@ -129,3 +129,15 @@ def check_heads_split(steering, grouping) -> None:
     heads = [iv for iv in (steering.interventions if steering else ()) if iv.site in HEAD_SITES]
     if heads and grouping.size > 1 and grouping.split == "tensor":
         raise Refused(f"{heads[0].site} steering on a tensor-split group: each node holds only some heads of every layer: use --split pipeline")
+
+
+def check_site(config: dict, site: str, layers) -> None:
+    """`site` at each of `layers` refused in one line where the model's blocks lack it, as the workers' hooks would
+    (a hybrid's attention sites exist on its attention layers only): read off the blocks built without weights."""
+    from worker.hooks.skeleton import missing_sites
+    from worker.spec import site_missing
+
+    missing = missing_sites(config)
+    gap = next((why for layer in layers if (why := site_missing(missing, site, layer))), None)
+    if gap:
+        raise Refused(f"--site {site}: {gap}")

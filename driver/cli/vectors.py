@@ -12,7 +12,7 @@ from driver.checks.cluster import check_address, check_address_syntax, check_wor
 from driver.checks.errors import BadUsage, Refused
 from driver.checks.files import check_cache, writable_file
 from driver.checks.groups import for_command, tell_chosen
-from driver.checks.model import check_model, check_tokenizer, model_config
+from driver.checks.model import check_model, check_site, check_tokenizer, model_config
 from driver.cli.errors import one_line, usage_errors
 from driver.cli.run import GROUP_HELP, SPLIT_HELP
 from driver.lm.evaluation import lost_workers_line, on_workers, open_model
@@ -83,6 +83,7 @@ def vectors(
     except ValueError as e:
         raise BadUsage(f"--layers {layers}: {one_line(str(e))}") from None
     chosen_heads, head_dim = _heads(heads, site, config)
+    check_site(config, site, resolved)
     encode = vec.head_encoder(folder, bool(args.get("trust_remote_code")))
     try:  # every pair tokenized on the head as the capture will be, before Ray starts
         vec.check_pairs(pairs, read, encode, method, at, context_window(config, args.get("max_length")))

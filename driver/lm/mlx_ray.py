@@ -17,6 +17,7 @@ from cluster.executor import RayExecutor, Workers
 from worker.load import is_local
 from worker.spec import Batching, Grouping, ModelSpec
 
+from driver.checks.model import check_heads_split
 from driver.checks.settings import RAY_ONLY, check_model_args
 from driver.lm.cache import Cache
 from driver.lm.mlx import OrchardLM
@@ -82,6 +83,7 @@ class MLXRayLM(OrchardLM):
         if is_local(spec.model):  # the workers load the head's folder (or a staged copy): the same content
             files = {"weights": self.identity["files"]} | ({"adapter": self.identity["adapter"]} if self.identity["adapter"] else {})
         grouping = model_grouping(spec, *self.group_args, self.ray_args["address"])
+        check_heads_split(self.steering, grouping)  # before Ray starts, as `driver run` does
         return ray_executor(
             spec, batching, model_identity=self.identity, max_length=self.max_length, actor_cls=self.actor_cls,
             files=files, grouping=grouping, **self.ray_args,

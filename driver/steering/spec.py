@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from worker.load import model_shape
-from worker.spec import (FLOAT_MAX, Intervention, Steering, SteeringError, head_problem, head_shape, missing_sites,
+from worker.spec import (FLOAT_MAX, Intervention, Steering, SteeringError, head_problem, head_shape, site_missing,
                          overflow, steering_overflow)  # fmt: skip
 
 from driver.steering.schema import InterventionSpec, SpecFile, VectorRef, spec_error, validate_spec
@@ -275,8 +275,9 @@ def load_steering(
     interventions, vectors = [], []
     for i, iv in enumerate(spec.interventions):
         _in_range(iv, n_layers, lambda problem: spec_error(where, f"interventions[{i}].layer", problem))
-        if iv.site in (missing or {}):
-            raise spec_error(where, f"interventions[{i}].site", missing[iv.site])
+        gap = site_missing(missing or {}, iv.site, iv.layer, n_layers)  # per layer: hybrids hold attention on some
+        if gap:
+            raise spec_error(where, f"interventions[{i}].site", gap)
         if head_problem(iv.site, iv.head):
             raise spec_error(where, f"interventions[{i}].head", head_problem(iv.site, iv.head))
         vector, entry = _load_vector(iv, f"interventions[{i}].vector", base, where, memo, n_layers)
@@ -312,6 +313,8 @@ def for_model(source: str | os.PathLike | Mapping | SpecFile | Steering, config:
     """`load_steering` and `check` for the model of this config.json: negative layers resolved (their default
     safetensors keys too), shapes checked, values finite in the dtype the model computes in."""
     n_layers, hidden = model_shape(config)
+    from worker.hooks.skeleton import missing_sites  # the worker's hooks' own answer, from the blocks built without weights
+
     loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype), missing=missing_sites(config))
     return SteeringRun(check(loaded.steering, n_layers, hidden, head_shape(config)), loaded.record)
 
