@@ -18,8 +18,11 @@ same token ids, greedy, a fixed number of new tokens:
 
 A sweep row: --sweep-configs configurations (add at each layer in turn, random vectors and alphas) x
 --sweep-prompts documents (half from each subject), one grid job (worker.jobs.run, Job(kind="generate",
-grid=...)), steering at `positions: all` (each configuration prefills its own prompts) vs `continuation` (the
-prompts' KV computed once, shared by every configuration: worker.prefix_cache.prompt_sharers).
+grid=...)), steering at `positions: all` (each configuration runs its own blocks from its layer up on the prompts,
+the blocks below shared by the configurations of that layer) vs `continuation` (the prompts' KV computed once,
+shared by every configuration: worker.prefix_cache.prompt_sharers); and every configuration at `positions: all`
+at resid_pre of the last layer (the prompts' blocks below it computed once: worker.grid.generation) vs of layer 0
+(nothing shared: each configuration prefills its prompts whole).
 
 Orchard runs lm-eval's stop strings too (mlx-lm has none: a handicap for Orchard). Rows are interleaved (ABC,
 BCA, ...), best of N. Not a test: it asserts nothing; it prints the tables, the token agreement between rows,
@@ -149,7 +152,9 @@ def variants(lm, plain, tokenizer, reqs, batch_size: int, stored: dict | None = 
 
 
 def sweep_rows(lm, reqs, configs: int, batch_size: int) -> dict:
-    """The sweep's two timed rows: one grid job each, the prefix store emptied first."""
+    """The sweep's timed rows: one grid job each, the prefix store emptied first. `positions: all` at every layer
+    in turn, and `continuation`; then every configuration at resid_pre of the last layer (its blocks below shared:
+    worker.grid.generation) and of layer 0 (nothing to share)."""
     import numpy as np
 
     from worker.jobs import run
@@ -160,19 +165,21 @@ def sweep_rows(lm, reqs, configs: int, batch_size: int) -> dict:
     hidden, layers = lm.config["hidden_size"], lm.n_layers
     vecs = [tuple(rng.standard_normal(hidden).tolist()) for _ in range(configs)]
 
-    def grid(positions: str) -> tuple:
-        return tuple(Steering(interventions=(Intervention(layer=c % layers, vector=v, alpha=float(1 + c % 3),
-                                                          positions=positions),)) for c, v in enumerate(vecs))
+    def grid(positions: str, layer: int | None, site: str) -> tuple:
+        return tuple(Steering(interventions=(Intervention(layer=c % layers if layer is None else layer, vector=v, site=site,
+                                                          alpha=float(1 + c % 3), positions=positions),)) for c, v in enumerate(vecs))
 
-    def row(positions: str):
+    def row(name: str, positions: str, layer: int | None = None, site: str = "resid_post"):
         def go():
             store(lm).clear()
-            out = run(lm, Job(kind="generate", grid=grid(positions)), reqs, Batching(batch_size=batch_size))
-            SWEEP_STORE[positions] = max(SWEEP_STORE.get(positions, 0), store(lm).peak)
+            out = run(lm, Job(kind="generate", grid=grid(positions, layer, site)), reqs, Batching(batch_size=batch_size))
+            SWEEP_STORE[name] = max(SWEEP_STORE.get(name, 0), store(lm).peak)
             return out
-        return go
+        return name, go
 
-    return {f"sweep, positions: {p}": row(p) for p in ("all", "continuation")}
+    return dict([row("sweep, positions: all", "all"), row("sweep, positions: continuation", "continuation"),
+                 row(f"sweep, all, resid_pre.{layers - 1}", "all", layers - 1, "resid_pre"),
+                 row("sweep, all, resid_pre.0", "all", 0, "resid_pre")])
 
 
 PEAKS: dict[str, int] = {}  # peak MLX memory per row (bytes)
@@ -296,10 +303,11 @@ def main(argv=None) -> int:
              speedup=True)
     if sweep_times:
         cells = args.sweep_configs * len(sweep)
-        bs.table(f"Sweep: {args.sweep_configs} configurations x {len(sweep)} documents, one grid job (generations/s)", "gen",
-                 [{"name": k, "times": t, "n": cells, "target": VS_SWEEP_ALL if "continuation" in k else None,
-                   "extra": f"prefix store peak {SWEEP_STORE[k.split(': ')[1]] / 2**20:.1f} MiB"}
-                  for k, t in sweep_times.items()], speedup=True)
+        swept = [{"name": k, "times": t, "n": cells, "target": VS_SWEEP_ALL if "continuation" in k else None,
+                  "extra": f"prefix store peak {SWEEP_STORE[k] / 2**20:.1f} MiB"} for k, t in sweep_times.items()]
+        head = f"Sweep: {args.sweep_configs} configurations x {len(sweep)} documents, one grid job (generations/s)"
+        bs.table(head, "gen", swept[:2], speedup=True)
+        bs.table(head + ": blocks below the split shared (resid_pre.L: L blocks) vs none", "gen", swept[:1:-1], speedup=True)
     print(f"\nprefix store: {stats['entries']} entries after the last run; peak {STORE_PEAK[0] / 2**20:.1f} MiB over the "
           f"timed runs, budget {stats['budget'] / 2**20:.0f} MiB (worker.prefix_cache.DEFAULT_BUDGET)")
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f}s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -340,3 +340,45 @@ def test_continuation_steering_shares_the_plain_prefix(llama):
     with m.hooks.installed([("resid_post.0", Capture("last"))]):
         generate_tokens(m, one, batch_size=4)
     assert (s.misses, s.hits, len(s.entries)) == (1, 1, 1)
+
+
+def test_a_jobs_batching_sets_the_store_budget_and_the_counters_say_what_was_reused(llama):
+    from worker.jobs import run
+    from worker.spec import Batching, Job
+
+    m = no_eos(llama)
+    one, _ = chunks(m)
+    s = store(m)
+    job, batching = Job(kind="generate"), Batching(batch_size=4, prefix_cache_mb=64)
+    try:
+        s.clear()
+        first = run(m, job, one, batching)
+        assert s.budget == 64 << 20 and (s.misses, s.hits, s.reused) == (1, 0, 0)
+        assert run(m, job, one, batching) == first  # the next chunk of the task: the exemplars from the store
+        ((_, tokens),) = s.entries
+        stats = s.stats()
+        assert (stats["hits"], stats["tokens_reused"]) == (1, len(tokens)) and 0 < stats["peak_bytes"] <= stats["budget"]
+        assert run(m, job, one, Batching(batch_size=4, prefix_cache_mb=0)) == first  # off: nothing kept or looked up
+        assert s.budget == 0 and not s.entries and (s.hits, s.evicted) == (1, 1)
+    finally:
+        set_budget(m, DEFAULT_BUDGET)
+
+
+def test_a_familys_suffixes_are_cut_by_length_and_decode_together(llama):
+    # Suffixes of 1 to 40 tokens after one shared prefix: prefilled longest first in parts closed (from MIN_ROWS = 4
+    # rows on) before their pads pass worker.score's MAX_PADDING (15%) of their tokens, then decoded as one batch.
+    m = no_eos(llama)
+    shared = tuple(m.tokenizer.encode(EXEMPLARS))
+    lengths = (1, 2, 3, 5, 8, 12, 18, 25, 33, 40)
+    reqs = [GenRequest(shared + tuple(range(300, 300 + n)), max_gen_toks=3) for n in lengths]
+    shapes = []
+
+    def body(x, cache=None):
+        shapes.append(tuple(x.shape[:2]))
+        return m.head.body(x, cache=cache)
+
+    store(m).clear()
+    got = generate_tokens(dataclasses.replace(m, head=dataclasses.replace(m.head, body=body)), reqs, batch_size=16)
+    assert got == generate_tokens(m, reqs, batch_size=16, prefix_reuse=False)
+    # 40 33 25 18 | 12 8 5 3 | 2 1 (adding 12 to the first part: 5 x 40 padded > 1.15 x 128 real tokens)
+    assert shapes == [(1, len(shared)), (4, 40), (4, 12), (2, 2), (10, 1), (10, 1)]

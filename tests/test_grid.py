@@ -385,6 +385,9 @@ def test_run_grid_on_ray_workers_equals_the_in_process_grid(ray_cluster, paths, 
     assert_close(got, want, relative=True)
     assert got_gen == want_gen
     assert info["workers"] == workers and sum(info["requests_computed"].values()) == len(grid) * (len(reqs) + len(gens))
+    stores = info["prefix_store"]  # each worker's prefix KV store, asked after the work (the run summary's)
+    assert len(stores) == workers and all(s["budget"] == 1 << 30 and s["peak_bytes"] <= s["budget"] for s in stores)
+    assert sum(s["misses"] for s in stores) > 0  # the grid's sharers stored their prompts
 
 
 def test_grid_cells_are_cached_under_the_keys_run_uses(ray_cluster, paths, in_process, tmp_path):

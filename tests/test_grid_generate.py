@@ -2,8 +2,10 @@
 
 Configurations that act alike on every prompt position (steering only `continuation` or `last` positions, or
 none) compute each prompt's KV once (all but its last token, through worker.prefix_cache) and the others reuse
-it; configurations that differ on prompt positions, even at one layer, never do. Every configuration's texts,
-greedy and seeded-sampled, must equal its own independent steered run. Real random MLX models.
+it; configurations that differ on prompt positions, even at one layer, never do. Configurations steering prompt
+positions from block s up share the prompt's unsteered blocks below s (worker.grid.generation): each runs only
+its own blocks on the prompt. Every configuration's texts, greedy and seeded-sampled, must equal its own
+independent steered run. Real random MLX models.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import numpy as np
 import pytest
 
 from worker.generate import GenRequest
-from worker.grid import grid_generate
+from worker.grid import grid_generate, shares_lower
+from worker.grid.generation import LOWER, staged_splits
+from worker.hooks import decoder_layers
 from worker.jobs import run
 from worker.load import load
 from worker.prefix_cache import prompt_sharers, store
@@ -32,9 +36,9 @@ def lm(tmp_path_factory):
     return load(ModelSpec(model=str(path), max_length=MAX_LENGTH))
 
 
-def steer(layer: int, seed: int, alpha: float, positions: str, op: str = "add") -> Steering:
+def steer(layer: int, seed: int, alpha: float, positions: str, op: str = "add", site: str = "resid_post") -> Steering:
     vec = tuple(np.random.default_rng(seed).standard_normal(HIDDEN).tolist())
-    return Steering(interventions=(Intervention(layer=layer, op=op, vector=vec, alpha=alpha, positions=positions),))
+    return Steering(interventions=(Intervention(layer=layer, op=op, vector=vec, alpha=alpha, positions=positions, site=site),))
 
 
 def prompts(seed: int) -> list[GenRequest]:
@@ -47,9 +51,9 @@ def prompts(seed: int) -> list[GenRequest]:
     return out + [GenRequest(c, max_gen_toks=6, do_sample=True, temperature=1.2, top_p=0.9, seed=i) for i, c in enumerate(ctxs)]
 
 
-def independent(lm, grid, reqs, batching) -> list[list[str]]:
+def independent(lm, grid, reqs, batching, kind: str = "generate") -> list[list]:
     """[request][configuration] from one plain steered job per configuration."""
-    per_config = [run(lm, Job(kind="generate", steering=s), reqs, batching) for s in grid]
+    per_config = [run(lm, Job(kind=kind, steering=s), reqs, batching) for s in grid]
     return [list(r) for r in zip(*per_config)]
 
 
@@ -119,3 +123,99 @@ def test_prompts_are_not_shared_when_a_block_would_not_fit_the_store(lm):
         assert grid_generate(lm, grid, reqs, batching) == independent(lm, grid, reqs, batching)
     finally:
         set_budget(lm, before)
+
+
+# --- configurations steering prompt positions share the blocks below their split --------------------------
+
+
+def layered_grid(positions: str) -> list[Steering]:
+    """Two configurations per split: resid_pre.0 (split 0: nothing to share), resid_post.0 and resid_pre.1 (split
+    1), resid_post.1 (2), resid_post.3 (4: every block's prompt KV is unsteered), and the baseline."""
+    points = [(0, "resid_pre"), (0, "resid_post"), (1, "resid_pre"), (1, "resid_post"), (3, "resid_post")]
+    grid = [steer(layer, 10 * layer + k, 3.0 - 5 * k, positions, site=site) for layer, site in points for k in (0, 1)]
+    return [Steering(), *grid, steer(1, 5, 2.0, positions, "clamp", "resid_pre")]
+
+
+def scoring_pairs(seed: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Target log-prob requests: the prompts as contexts, two targets each."""
+    rng = np.random.default_rng(seed)
+    return [(r.context, tuple(rng.integers(3, 300, n).tolist())) for r in prompts(seed) for n in (1, 3)]
+
+
+@pytest.mark.parametrize("positions", ["all", "prompt", "continuation", "last"])
+def test_sweep_at_every_layer_equals_independent_runs(lm, positions):
+    grid, reqs, batching = layered_grid(positions), prompts(8), Batching(batch_size=4)
+    got = run(lm, Job(kind="generate", grid=tuple(grid)), reqs, batching)
+    assert got == independent(lm, grid, reqs, batching)
+    assert sum(any(r[c] != r[0] for r in got) for c in range(1, len(grid))) >= 6  # steering changed texts
+    if positions in ("all", "prompt"):  # the staged path ran for every split but 0
+        installs = [hooks_for(s, LAYERS, HIDDEN) if s else [] for s in grid]
+        contexts = [r.context for r in reqs]
+        sharers = prompt_sharers(lm, installs, contexts, 4)  # the baseline's prompt KV is split 4's unsteered one
+        assert staged_splits(lm, installs, sharers, contexts, 4) == [4, 0, 0, 1, 1, 1, 1, 2, 2, 4, 4, 1]
+    pairs = scoring_pairs(9)
+    scored = run(lm, Job(kind="loglikelihood", grid=tuple(grid)), pairs, batching)
+    for mine, theirs in zip(scored, independent(lm, grid, pairs, batching, "loglikelihood")):
+        assert all(abs(a[0] - b[0]) <= 1e-4 * max(1.0, abs(b[0])) and a[1] == b[1] for a, b in zip(mine, theirs))
+
+
+def block_work(lm, monkeypatch) -> dict[int, int]:
+    """Prompt tokens each decoder block really computes: rows x length of its multi-token forwards (a staged block
+    that passes or injects computes nothing; decode steps and one-token suffixes feed one token)."""
+    assert all(shares_lower(lm, s) for s in range(1, LAYERS + 1))  # probed (and memoized) before counting
+    work = dict.fromkeys(range(LAYERS), 0)
+    for i, block in enumerate(decoder_layers(lm.model)):
+        cls = type(block)
+
+        def __call__(self, x, *args, _cls=cls, _i=i, **kwargs):
+            work[_i] += x.shape[0] * x.shape[1] if x.shape[1] > 1 else 0
+            return _cls.__call__(self, x, *args, **kwargs)
+
+        monkeypatch.setattr(block, "__class__", type(cls.__name__, (cls,), {"__call__": __call__}))
+    return work
+
+
+def sweep_work(lm, work, grid, reqs, batching) -> tuple[list[list[str]], dict[int, int]]:
+    """A grid job's texts and its prompt work per block, the store emptied first."""
+    store(lm).clear()
+    work.update(dict.fromkeys(work, 0))
+    return run(lm, Job(kind="generate", grid=tuple(grid)), reqs, batching), dict(work)
+
+
+@pytest.mark.parametrize("positions", ["all", "prompt"])
+def test_prompt_work_below_the_split_does_not_grow_with_the_configurations(lm, monkeypatch, positions):
+    reqs, batching = prompts(10), Batching(batch_size=4)
+    grid = [steer(1, 20 + k, 4.0 - 3 * k, positions) for k in range(3)]  # resid_post.1: split 2
+    work = block_work(lm, monkeypatch)
+    two, w2 = sweep_work(lm, work, grid[:2], reqs, batching)
+    three, w3 = sweep_work(lm, work, grid, reqs, batching)
+    assert [r[:2] for r in three] == two and three == independent(lm, grid, reqs, batching)
+    assert 0 < w2[0] == w3[0] <= sum(map(len, {r.context for r in reqs})) and w2[1] == w3[1]  # each prompt once
+    assert all(w3[i] - w2[i] == w2[i] // 2 > 0 for i in (2, 3))  # blocks 2 and 3: every configuration its own
+
+
+def test_configurations_differing_at_one_layer_share_only_the_blocks_below_both(lm, monkeypatch):
+    # a and b steer block 0's output alike (split 1) and block 2's input differently: block 0's prompt KV is one
+    # (the store's unsteered lower entry), blocks 1.. are each one's own, and nothing at or above layer 2 is alike.
+    def config(seed: int) -> Steering:
+        ivs = steer(0, 30, 2.0, "all").interventions + steer(2, seed, 3.0, "all", site="resid_pre").interventions
+        return Steering(interventions=ivs)
+
+    a, b, c = config(31), config(32), config(33)
+    reqs, batching = prompts(11), Batching(batch_size=4)
+    work = block_work(lm, monkeypatch)
+    got, w2 = sweep_work(lm, work, [a, b], reqs, batching)
+    assert got == independent(lm, [a, b], reqs, batching) and any(r[0] != r[1] for r in got)
+    entries = {}
+    for (fp, tokens), (cache, _) in store(lm).entries.items():
+        entries.setdefault(tokens, {})[fp] = cache
+    pairs = [e for e in entries.values() if len(e) == 3]  # a's, b's and the split's unsteered lower entry
+    assert len(pairs) == 1 and all(LOWER.format(1) in e for e in pairs)  # the few-shot prefix (rows' own: dropped)
+    assert len(entries) == 1 + len({r.context for r in reqs})  # the rows' prompts: their lower entries only
+    for e in pairs:
+        (ka, x), (kb, y) = [(k, v) for k, v in e.items() if k != LOWER.format(1)]
+        assert x[0] is y[0] is e[LOWER.format(1)][0][0]  # block 0: the one unsteered KV
+        assert all(x[i] is not y[i] for i in range(1, LAYERS))
+        assert not any(np.allclose(np.array(x[i].keys[..., : x[i].offset, :]), np.array(y[i].keys[..., : y[i].offset, :])) for i in (2, 3))
+    _, w3 = sweep_work(lm, work, [a, b, c], reqs, batching)
+    assert w2[0] == w3[0] and all(w3[i] - w2[i] == w2[i] // 2 > 0 for i in (1, 2, 3))

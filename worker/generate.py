@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from .hooks import Rows, decoder_layers
 from .prefix_cache import merged, own_prefixes, prefix_kv
-from .score import Row, _broadcast, _families
+from .score import MAX_PADDING, MIN_ROWS, Row, _broadcast, _families
 
 
 @dataclass(frozen=True)
@@ -65,22 +65,22 @@ def truncate(request: GenRequest, max_length: int) -> GenRequest:
     return request
 
 
-def generate(
-    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, prompt_reuse: bool = False
-) -> list[str]:
+def generate(lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, **reuse) -> list[str]:
     """Generated text per request (cut at the first stop string), in the order given."""
-    tokens = generate_tokens(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse, prompt_reuse=prompt_reuse)
+    tokens = generate_tokens(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse, **reuse)
     return [stop_at(lm.tokenizer.decode(t, skip_special_tokens=True), r.until) for t, r in zip(tokens, requests)]
 
 
 def generate_tokens(
-    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, prompt_reuse: bool = False
+    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, prompt_reuse: bool = False,
+    compute: Any = None,
 ) -> list[list[int]]:
     """Generated token ids per request: EOS excluded; a row ends at the token that completes a stop string
     (decoded with special tokens, as lm-eval's stopping criteria do) or after max_gen_toks tokens.
     `prefix_reuse` shares long common prompt prefixes (the same tokens either way; only speed changes).
     `prompt_reuse` also stores each row's whole prompt but its last token (worker.prefix_cache), for a later
-    call whose installed steering is the same on prompt positions (a sweep's other configurations)."""
+    call whose installed steering is the same on prompt positions (a sweep's other configurations); `compute`:
+    how prefix_kv computes those (worker.grid: from the store's unsteered lower layers)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     reqs = []
@@ -97,9 +97,9 @@ def generate_tokens(
     parts: list[tuple[Any, int, list[int]]] = []  # (prefix KV or None, prefix length, rows) per prefill
     for prefix, idx in _prefix_families([reqs[i].context for i in todo], prefix_reuse):
         idx = [todo[j] for j in idx]
-        shared = prefix_kv(lm, reqs[idx[0]].context[:prefix]) if prefix else None
+        shared = prefix_kv(lm, reqs[idx[0]].context[:prefix], compute) if prefix else None
         if prompt_reuse:  # the family's prefix (now stored) is where each row's own prompt KV starts from
-            parts += own_prefixes(lm, [reqs[i].context for i in idx], idx, loose)
+            parts += own_prefixes(lm, [reqs[i].context for i in idx], idx, loose, compute)
             continue
         if shared is None:  # no shared prefix, or a model whose caches cannot share one
             loose.extend(idx)
@@ -114,9 +114,18 @@ def generate_tokens(
 
 
 def _cut(reqs, idx, batch_size, shared=None, prefix=0) -> list[tuple[Any, int, list[int]]]:
-    # Longest first, like lm-eval: similar lengths share a batch (little padding) and memory peaks early.
-    idx = sorted(idx, key=lambda i: -len(reqs[i].context))
-    return [(shared, prefix, idx[b : b + batch_size]) for b in range(0, len(idx), batch_size)]
+    # Longest first, like lm-eval: similar lengths share a prefill (little padding) and memory peaks early. A family's
+    # suffix prefill closes before its pads pass MAX_PADDING of its tokens, as worker.score's batches (parts decode together).
+    out, real = [], 0
+    for i in sorted(idx, key=lambda i: -len(reqs[i].context)):
+        rows, n = out[-1][2] if out else [], len(reqs[i].context) - prefix
+        padded = (len(rows) + 1) * (len(reqs[rows[0]].context) - prefix) if rows else 0  # the first is the longest
+        if not out or len(rows) >= batch_size or (shared and len(rows) >= MIN_ROWS and padded > (1 + MAX_PADDING) * (real + n)):
+            out.append((shared, prefix, []))
+            real = 0
+        out[-1][2].append(i)
+        real += n
+    return out
 
 
 def _decode_batches(parts: list, batch_size: int) -> list[list]:

@@ -13,6 +13,7 @@ from .capture import capture
 from .generate import generate
 from .grid import run_grid
 from .load import LoadedModel
+from .prefix_cache import use_budget
 from .score import loglikelihood
 from .spec import Batching, Job
 from .steer import steered
@@ -32,6 +33,7 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
 
     A grid job (`job.grid`) gives, per request, the list of its results under each configuration in order.
     """
+    use_budget(lm, batching.prefix_cache_mb << 20)
     if job.grid:
         return run_grid(lm, job.kind, job.grid, requests, batching)
     notes: list[str] = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +30,9 @@ import numpy as np
 
 from .hooks import Rows
 from .score import MIN_SHARED_PREFIX, _prefix_cache
+from .spec import Batching
 
-DEFAULT_BUDGET = 1 << 30  # bytes of stored prefix KV per model (worker)
+DEFAULT_BUDGET = Batching.model_fields["prefix_cache_mb"].default << 20  # bytes of stored prefix KV per model (worker)
 _BLIND = ("continuation", "last")  # op positions that never touch a prefix position
 
 
@@ -47,18 +48,20 @@ class PrefixStore:
     extended: int = 0
     misses: int = 0
     evicted: int = 0
+    reused: int = 0  # prefix tokens whose KV came from the store (whole hits and the stored part of extensions)
     # (all layers, this rank's layers): a pipeline rank counts an entry as the whole model's KV, so every rank
     # of a group stores and evicts alike and their forwards stay in lockstep
     share: tuple[int, int] = (1, 1)
 
     def stats(self) -> dict:
         return {"entries": len(self.entries), "bytes": self.nbytes, "peak_bytes": self.peak, "budget": self.budget,
-                "hits": self.hits, "extended": self.extended, "misses": self.misses, "evicted": self.evicted}
+                "hits": self.hits, "extended": self.extended, "misses": self.misses, "evicted": self.evicted,
+                "tokens_reused": self.reused}
 
     def clear(self) -> None:
         """Drop every entry and zero the counters (the budget stays)."""
         self.entries.clear()
-        self.nbytes = self.peak = self.hits = self.extended = self.misses = self.evicted = 0
+        self.nbytes = self.peak = self.hits = self.extended = self.misses = self.evicted = self.reused = 0
 
     def longest(self, fingerprint: str, tokens: tuple[int, ...]) -> tuple[int, list] | None:
         """(length, cache) of the longest stored prefix of `tokens`; marks it most recently used."""
@@ -73,9 +76,17 @@ class PrefixStore:
         self.entries.move_to_end(best)
         return len(best[1]), self.entries[best][0]
 
-    def put(self, fingerprint: str, tokens: tuple[int, ...], cache: list) -> None:
+    def drop(self, fingerprint: str, prefixes: Sequence[Sequence[int]]) -> None:
+        """Forget these entries, if stored (wanted by no later call; not counted as evictions)."""
+        for tokens in prefixes:
+            gone = self.entries.pop((fingerprint, tuple(tokens)), None)
+            self.nbytes -= gone[1] if gone is not None else 0
+
+    def put(self, fingerprint: str, tokens: tuple[int, ...], cache: Any, size: int | None = None) -> None:
+        """Store `cache` (a KV cache list; anything else with its `size` in bytes)."""
         key = (fingerprint, tokens)
-        size = sum(c.keys.nbytes + c.values.nbytes for c in cache) * self.share[0] // self.share[1]
+        if size is None:
+            size = sum(c.keys.nbytes + c.values.nbytes for c in cache) * self.share[0] // self.share[1]
         if key in self.entries or size > self.budget:
             return
         self.entries[key] = (cache, size)
@@ -110,6 +121,12 @@ def set_budget(lm: Any, nbytes: int) -> None:
     s.peak = s.nbytes  # the peak under this budget
 
 
+def use_budget(lm: Any, nbytes: int) -> None:
+    """`set_budget` when the budget changes (a job's Batching names it; the counters stay otherwise)."""
+    if store(lm).budget != nbytes:
+        set_budget(lm, nbytes)
+
+
 def fingerprint(hooks: Any) -> str | None:
     """A digest of the installed hooks that can change a prefix's KV; None if some hook is not a known op."""
     from .steer import _Op
@@ -142,8 +159,12 @@ def _extend(lm: Any, cache: list, have: int, tokens: Sequence[int]) -> list:
     return fresh
 
 
-def prefix_kv(lm: Any, tokens: Sequence[int]) -> list | None:
-    """The batch-1 KV cache of `tokens` (as `_prefix_cache` computes it), from the store when it holds it."""
+def prefix_kv(lm: Any, tokens: Sequence[int], compute: Callable | None = None) -> list | None:
+    """The batch-1 KV cache of `tokens` (as `_prefix_cache` computes it), from the store when it holds it.
+
+    `compute(lm, tokens, found)` computes an entry the store lacks, `found` the (length, cache) of its longest
+    stored prefix or None (worker.grid's configurations of one split: the lower layers from their shared
+    unsteered entry); by default the rest of the tokens run through the whole model under the installed hooks."""
     tokens = tuple(tokens)
     s = store(lm)
     fp = fingerprint(lm.hooks) if s.budget > 0 else None
@@ -152,15 +173,20 @@ def prefix_kv(lm: Any, tokens: Sequence[int]) -> list | None:
     found = s.longest(fp, tokens)
     if found is not None and found[0] == len(tokens):
         s.hits += 1
+        s.reused += len(tokens)
         return found[1]
-    if found is not None and found[0] >= MIN_SHARED_PREFIX:
+    found = found if found is not None and found[0] >= MIN_SHARED_PREFIX else None
+    if found is not None:
         s.extended += 1
-        cache = _extend(lm, found[1], found[0], tokens)
+        s.reused += found[0]
     else:
         s.misses += 1
-        cache = _prefix_cache(lm, tokens)
-        if cache is None:
-            return None
+    if compute is not None:
+        cache = compute(lm, tokens, found)
+    else:
+        cache = _extend(lm, found[1], found[0], tokens) if found is not None else _prefix_cache(lm, tokens)
+    if cache is None:
+        return None
     s.put(fp, tokens, cache)
     return cache
 
@@ -174,13 +200,18 @@ def kv_bytes_per_token(lm: Any) -> int:
     return 2 * lm.n_layers * (c.get("num_key_value_heads") or heads) * head_dim * width
 
 
+def fits(lm: Any, contexts: Sequence[tuple] = (), block: int = 1, copies: int = 1) -> bool:
+    """Whether the store is on and holds `copies` KV caches of the `block` longest of `contexts` at once."""
+    longest = sorted(map(len, contexts), reverse=True)[:block]
+    return store(lm).budget > 0 and copies * sum(longest) * kv_bytes_per_token(lm) <= store(lm).budget
+
+
 def prompt_sharers(lm: Any, installs: Sequence[list], contexts: Sequence[tuple] = (), block: int = 1) -> list[bool]:
     """Per configuration (its hooks), whether another one acts the same on every prompt position (the same
     fingerprint: e.g. both steer only `continuation` or `last` positions), so their prompts' KV is the same
     and worth storing for each other. Never with the store off, nor when the `block` longest of `contexts` would
     not fit in it at once (sharing would then evict each prompt before the next configuration reads it)."""
-    longest = sorted(map(len, contexts), reverse=True)[:block]
-    if store(lm).budget <= 0 or sum(longest) * kv_bytes_per_token(lm) > store(lm).budget:
+    if not fits(lm, contexts, block):
         return [False] * len(installs)
     prints = []
     for install in installs:
@@ -200,12 +231,12 @@ def blocks(groups: Sequence[list[int]], size: int) -> list[list[int]]:
     return out
 
 
-def own_prefixes(lm: Any, contexts: Sequence[tuple[int, ...]], idx: list[int], loose: list[int]) -> list[tuple]:
+def own_prefixes(lm: Any, contexts: Sequence[tuple[int, ...]], idx: list[int], loose: list[int], compute=None) -> list[tuple]:
     """(KV, length, [row]) per row: its prompt's stored KV but the last token (which stays a suffix: its position
     gives the first token and is the row's `last`); longest first; rows that cannot share go to `loose`."""
     parts = []
     for ctx, i in sorted(zip(contexts, idx), key=lambda p: -len(p[0])):
-        shared = prefix_kv(lm, ctx[:-1]) if len(ctx) > 1 else None
+        shared = prefix_kv(lm, ctx[:-1], compute) if len(ctx) > 1 else None
         if shared is None:
             loose.append(i)
         else:

@@ -159,6 +159,7 @@ MODEL_ARGS: dict[str, tuple[_Check, str]] = {
     "dtype": (lambda w, v: choice(w, v, DTYPES), " | ".join(DTYPES)),
     "revision": (text, "a Hub revision"),
     "prefix_reuse": (boolean, "true | false"),
+    "prefix_cache_mb": (lambda w, v: whole(w, v, 0, "MiB of prefix KV each worker keeps; 0: none"), "MiB of prefix KV per worker"),
     "max_gen_toks": (lambda w, v: whole(w, v, 1, "tokens generated at most"), "tokens generated at most"),
     "trust_remote_code": (boolean, "true | false"),
     "steer": (text, "a steering spec file"),

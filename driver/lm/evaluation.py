@@ -47,6 +47,7 @@ def _summary(info: dict, seconds: float) -> dict:
         "wall_s": round(seconds, 3),
         "cache": info["cache"],
         "worker_facts": info["facts"],
+        "prefix_store": info.get("prefix_store", []),  # per worker: hits, tokens reused, peak bytes vs budget, evictions
         **({"groups": info["groups"]} if "groups" in info else {}),  # worker groups: each rank's node, layers, peak memory
     }
 
@@ -69,6 +70,16 @@ def _print_summary(summary: dict) -> None:
     )
     for name, row in summary["per_worker"].items():
         click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s")
+    if summary["prefix_store"]:
+        click.echo(prefix_store_line(summary["prefix_store"]))
+
+
+def prefix_store_line(stores: list[dict]) -> str:
+    """The workers' prefix KV stores in one line: hits, tokens reused, the highest peak against the budget, evictions."""
+    total = {k: sum(s[k] for s in stores) for k in ("hits", "extended", "tokens_reused", "evicted")}
+    peak, budget = max(s["peak_bytes"] for s in stores), stores[0]["budget"]
+    return (f"  prefix KV store: {total['hits']} hits, {total['extended']} extended, {total['tokens_reused']} tokens reused, "
+            f"peak {peak / 2**20:.1f} of {budget / 2**20:.0f} MiB per worker, {total['evicted']} evicted")
 
 
 @dataclass

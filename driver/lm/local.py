@@ -11,6 +11,7 @@ from cluster.schedule import gather
 from worker.grid import run_grid
 from worker.jobs import run
 from worker.load import load
+from worker.prefix_cache import store
 from worker.spec import Batching, Job, ModelSpec, Steering
 
 from driver.steering.spec import warn_once
@@ -44,7 +45,7 @@ class LocalExecutor:
         return [[r[c] for r in per_request] for c in range(len(steerings))]
 
     def info(self) -> dict:
-        return {"executor": "local", "head_split": self.lm.head.split}
+        return {"executor": "local", "head_split": self.lm.head.split, "prefix_store": [store(self.lm).stats()] if self.lm else []}
 
     def close(self) -> None:
         self.lm = None

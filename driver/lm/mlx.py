@@ -44,6 +44,7 @@ class OrchardLM(TemplateLM):
         dtype: str | None = None,
         revision: str | None = None,
         prefix_reuse: bool | str = True,
+        prefix_cache_mb: int | str = 1024,
         max_gen_toks: int | str = 256,
         trust_remote_code: bool | str = False,
         steer: str | dict | Steering | None = None,
@@ -55,9 +56,10 @@ class OrchardLM(TemplateLM):
             kwargs.pop(ignored, None)
         self._init_extra(kwargs)
         model_setup.check_args(batch_size, max_batch_tokens=max_batch_tokens, max_length=max_length, dtype=dtype,
-                               prefix_reuse=prefix_reuse, max_gen_toks=max_gen_toks, trust_remote_code=trust_remote_code)  # fmt: skip
+                               prefix_reuse=prefix_reuse, prefix_cache_mb=prefix_cache_mb, max_gen_toks=max_gen_toks,
+                               trust_remote_code=trust_remote_code)  # fmt: skip
         self.spec = model_setup.model_spec(pretrained, adapter_path, revision, dtype, max_length, trust_remote_code)
-        self.batching = model_setup.batching(batch_size, max_batch_tokens, prefix_reuse)
+        self.batching = model_setup.batching(batch_size, max_batch_tokens, prefix_reuse, prefix_cache_mb)
         files = model_setup.read_model_files(self.spec)
         self.tokenizer, self.generation_defaults = files.tokenizer, files.generation_defaults
         self._max_length = context_window(files.config, self.spec.max_length)

@@ -54,12 +54,13 @@ def model_spec(pretrained: str, adapter_path: str | None, revision: str | None, 
     )
 
 
-def batching(batch_size: int | str, max_batch_tokens: int | str, prefix_reuse: bool | str) -> Batching:
+def batching(batch_size: int | str, max_batch_tokens: int | str, prefix_reuse: bool | str, prefix_cache_mb: int | str = 1024) -> Batching:
     """The worker's Batching of these model_args."""
     return Batching(
         batch_size=_int_or_default(batch_size, 32),
         max_batch_tokens=int(max_batch_tokens),
         prefix_reuse=as_bool(prefix_reuse),
+        prefix_cache_mb=int(float(prefix_cache_mb)),
     )
 
 

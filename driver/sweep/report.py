@@ -111,6 +111,7 @@ def run_facts(info: dict, seconds: float) -> dict:
         "requests_cached": info.get("requests_cached", 0),
         "per_worker": {n: {"requests": k, "requests_per_s": (info.get("requests_per_s") or {}).get(n)} for n, k in sorted(computed.items())},
         "cache": info.get("cache"),
+        "prefix_store": info.get("prefix_store", []),  # per worker: hits, tokens reused, peak bytes vs budget, evictions
         **({"groups": info["groups"]} if "groups" in info else {}),  # worker groups: each rank's node, layers, peak memory
     }
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from worker.spec import HEAD_SITES, SITES
 
 from driver.checks import settings
+from driver.checks.errors import one_line
 from driver.steering.userfiles import explain, load_yaml, short, yaml_problem
 
 __all__ = ["SweepError", "SweepFile", "ModelSettings", "VectorSource", "Grid", "Tasks", "PromptSet", "read_sweep_file",
@@ -25,10 +26,6 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # a vector, target or prompt 
 
 class SweepError(ValueError):
     """A sweep file that cannot run; the message is one line naming the file, the field (or line) and the fix."""
-
-
-def one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 # --- the file's schema ---------------------------------------------------------------------------------------
@@ -49,6 +46,7 @@ class ModelSettings(BaseModel):
     revision: str | None = None
     adapter_path: str | None = None
     prefix_reuse: StrictBool = True
+    prefix_cache_mb: StrictInt = Field(default=1024, ge=0)  # MiB of prefix KV each worker keeps across chunks
     max_gen_toks: StrictInt = Field(default=256, ge=1)
     trust_remote_code: StrictBool = False
     threads: StrictInt | None = Field(default=None, ge=1)
