@@ -15,7 +15,9 @@ from typing import Any
 
 from worker.jobs import run
 from worker.load import ModelLoadError, fingerprint, load, resolve, weights_bytes
+from worker.prefix_cache import store
 from worker.spec import Batching, Job, ModelSpec
+from worker.split import smallest_size
 
 from .connect import ClusterError
 from .facts import collect, mismatch, mlx_device, slow_blas
@@ -54,12 +56,12 @@ class WorkerActor:
         have, source = self.memory_for_models()
         if total / size <= have:
             return
-        fit = -(-total // max(have, 1e-9))
+        fit = smallest_size(total, max(have, 1e-9))
         held = f"the model's weights ({total:.1f} GB)" if size == 1 else \
             f"this rank's share of the weights ({total / size:.1f} GB of {total:.1f} GB over {size} ranks)"
         raise ModelLoadError(
             f"{held} do not fit in the {have:.1f} GB this node has for models ({source}): use a smaller or quantized "
-            f"model (e.g. an mlx-community 4-bit one), pass --group-size {fit:.0f} (or auto) to split it across that "
+            f"model (e.g. an mlx-community 4-bit one), pass --group-size {fit} (or auto) to split it across that "
             "many nodes, or leave this node out"
         )
 
@@ -81,6 +83,10 @@ class WorkerActor:
     def run(self, job: Job, indices: Sequence[int], requests: Sequence[Any]) -> tuple[Sequence[int], list]:
         return indices, run(self.lm, job, requests, self.batching)
 
+    def prefix_store(self) -> dict:
+        """The counters of this worker's prefix KV store (worker.prefix_cache): hits, tokens reused, peak bytes."""
+        return store(self.lm).stats()
+
 
 def revive(actor: Any) -> Any:
     """A ref that completes once a lost actor is back (Ray restarted it, model reloaded), or fails for good."""
@@ -95,6 +101,19 @@ class Pool:
         self.revive = revive
         self.alive = set(range(len(self.workers)))
         self.reviving: dict[Any, int] = {}  # ref -> worker index
+
+    def prefix_stores(self, timeout: float = 5.0) -> list[dict]:
+        """Each live worker's prefix store counters, asked after the work (a busy worker answers after its chunks);
+        [] when they do not all answer within `timeout` s."""
+        import ray
+
+        asked = [self.workers[w].prefix_store.remote() for w in sorted(self.alive)] if ray.is_initialized() else []
+        if not asked or len(ray.wait(asked, num_returns=len(asked), timeout=timeout)[0]) < len(asked):
+            return []
+        try:
+            return ray.get(asked)
+        except Exception:  # a courtesy for the summary: never fail a finished run over it
+            return []
 
     def lost(self, w: int) -> None:
         if w in self.alive:

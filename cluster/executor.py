@@ -111,6 +111,7 @@ class Workers:
         self.names: list[str] = []
         self._launched: Any = None
         self._formed: Any = None  # the worker groups (cluster.groups.Formed) when grouping.size > 1
+        self.tell: Callable[[Any], None] = lambda results: None  # the executor's notes callback (ranks > 0's notes)
 
     def start(self) -> None:
         """Join (or start) Ray and place the workers; they load the model in the background (`ready`)."""
@@ -138,9 +139,14 @@ class Workers:
         o = self.options
         rank_cls = o["actor_cls"] if issubclass(o["actor_cls"], groups.GroupRank) else groups.GroupRank
         self._formed, self._launched = groups.launch(self.spec, self.batching, n, self.grouping, actor_cls=rank_cls, threads=o["threads"])
-        self.held.placements = self._formed.placements
-        self.pool = groups.GroupPool([groups.GroupHandle(r, g) for g, r in enumerate(self._formed.ranks)], o["deadline"])
-        return self._formed.actors()
+        formed, actors = self._formed, self._formed.actors()
+        self.held.placements = formed.placements
+        recipe = groups.Recipe(self.spec, self.batching, self.grouping, rank_cls, o["threads"], groups.strategy(self.grouping.size),
+                               actors=actors, placements=formed.placements)  # fmt: skip
+        handles = [groups.GroupHandle(r, g, pg) for g, (r, pg) in enumerate(zip(formed.ranks, formed.placements))]
+        pool = groups.GroupPool(handles, o["deadline"], recipe=recipe, max_restarts=o["max_restarts"], tell=self.tell)
+        self.pool = pool  # a lost group is re-formed; its ranks > 0 tell their steering notes
+        return actors  # the executor's list: a re-formed group's ranks join it, to be stopped at close
 
     def ready(self) -> list[dict]:
         """Block until every worker holds the model (starting them if they are not yet); a load failure surfaces
@@ -150,6 +156,7 @@ class Workers:
         if self._formed is not None:  # one worker per group: rank 0's facts, every rank's under "ranks"
             facts = groups.ready_groups(self._formed, self._launched, self.spec, self.files)
             self.names = groups.names(facts)
+            self.pool.facts = facts  # a re-formed group's facts replace the lost one's
         else:
             facts = ready(self.held.actors, self._launched, self.spec, self.files)  # the same files on every worker
             self.names = [f"w{i}@{f['hostname']}" for i, f in enumerate(facts)]
@@ -174,6 +181,7 @@ class RayExecutor:
         self.workers, self.progress, self.notes = workers, progress, notes
         self.model_identity, self.max_length = model_identity, max_length
         self.stored = Stored(cache)
+        workers.tell = notes  # a group's ranks > 0 hold the steered layers they own: their notes come this way
         if workers.files is not None:
             self.stored.identify({**model_identity, **workers.files})
         self.done: Counter = Counter()  # requests computed, per worker name
@@ -310,15 +318,22 @@ class RayExecutor:
             "seconds": round(self.seconds, 3),
             "cache": str(cache.path) if cache is not None else None,
             "facts": facts,
+            "prefix_store": [] if isinstance(self.pool, groups.GroupPool) else self.pool.prefix_stores(),  # per worker
             **({"groups": self.groups()} if self.workers._formed is not None else {}),
         }
 
     def groups(self) -> list[dict]:
-        """Per group: its split and ranks (node, layers held, peak memory now, when it can answer at once)."""
+        """Per group: its split and ranks (node, layers held, peak memory now, when it can answer at once); how
+        many times it was re-formed, why it was lost, and the chunks its current ranks finished."""
         pool, facts = self.pool, self.workers.facts or []
-        peaks = pool.peaks() if isinstance(pool, groups.GroupPool) else {}
+        if not isinstance(pool, groups.GroupPool):
+            return []
+        peaks, lost = pool.peaks(), {}
+        for g, line in pool.losses:
+            lost.setdefault(g, []).append(line)
         return [
             {"group": f["group"], "size": f.get("group_size"), "split": f.get("split"), "alive": g in pool.alive,
+             "reformed": pool.reformed[g], "lost": lost.get(g, []), "chunks": pool.workers[g].chunks,
              "ranks": [{**r, "peak_memory_gb": peaks.get((g, r["rank_in_group"]), r["peak_memory_gb"])} for r in f["ranks"]]}
             for g, f in enumerate(facts)
         ]  # fmt: skip

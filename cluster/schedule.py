@@ -228,8 +228,8 @@ def dispatch(
         watched = pool.watched()  # a group's other ranks: first, so a rank's death is seen before rank 0's error
         ready, _ = ray.wait(list(watched) + list(f.refs) + list(pool.reviving), num_returns=1, timeout=timeout)
         if not ready:
-            if f.refs:
-                pool.expire()  # a group past its deadline is killed: its chunks come back as lost
+            if f.refs or pool.due() is not None:
+                pool.expire()  # a group past its deadline is killed: its chunks come back as lost (a re-forming one left lost)
                 continue  # else only polling the feed
             raise WorkersLost(f"every worker is lost and none came back within {revive_timeout:.0f} s")
         ref = ready[0]

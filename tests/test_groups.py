@@ -2,7 +2,8 @@
 
 A group of K ranks holds one model split across them and is one worker to the scheduler: its numbers must equal
 the unsplit in-process `mlx` model's, 2 groups must equal 1, and a rank killed or hung mid-run must lose only its
-group (the run finishing on the other) with nothing left running.
+group, which is re-formed from fresh processes and takes chunks again, or (no restart left, no nodes for it) stays
+lost while the run finishes on the other, with nothing left running.
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ TOLERANCE = {"pipeline": 1e-5, "tensor": 1e-4}  # pipeline runs the same ops; te
 
 
 class Slow(GroupRank):
-    """A real rank that sleeps `delay` s per chunk (every rank alike: the ring stays in step), and tells its pid."""
+    """A real rank that sleeps `delay` s per chunk and, before it, waits while the file `gate` exists (every rank
+    alike: the ring stays in step); it tells its pid."""
 
     delay: float = 0.0
+    gate: str = ""
 
     def run(self, job, indices, requests):
+        while self.gate and os.path.exists(self.gate):
+            time.sleep(0.02)
         time.sleep(self.delay)
         return super().run(job, indices, requests)
 
@@ -62,7 +67,7 @@ def free_units(want: int = 4, wait: float = 20.0) -> float:
 def alive_ranks() -> list:
     """Rank actors Ray still counts alive (the actor table, as cluster.failures reads it)."""
     table = ray._private.state.actors().values()
-    return [a for a in table if a["State"] != "DEAD" and a["ActorClassName"] in ("Slow", "GroupRank", "TakenPort")]
+    return [a for a in table if a["State"] != "DEAD" and a["ActorClassName"] in ("Slow", "Stuck", "GroupRank", "TakenPort")]
 
 
 @pytest.mark.parametrize("split", ["pipeline", "tensor"])
@@ -128,31 +133,103 @@ def _victim(lm, group: int = 1, rank: int = 1) -> int:
     return next(r["pid"] for r in ray.get([a.facts.remote() for a in lm.executor.workers._formed.ranks[group]]) if r["rank_in_group"] == rank)
 
 
-@pytest.mark.parametrize("how", ["killed", "hung"])
-def test_a_rank_killed_or_hung_mid_run_loses_only_its_group(ray_cluster, llama_path, tasks, reference, how):
-    """A real SIGKILL (or SIGSTOP: a hung rank, caught by the group deadline) of group 1's rank 1 while the run is
-    under way: group 1 is lost whole, its chunks rerun on group 0, the numbers are identical, nothing is left."""
-    actor = type("Slow", (Slow,), {"delay": 0.5})  # ~16 chunks: the run outlasts the deadline, not all backed up
-    lm = open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=2)
-    pid = _victim(lm)
-    lm.executor.pool.deadline = 4.0  # a hung group is given up after 4 s without an answer (a chunk takes ~0.5 s)
-    thread = _kill_when_running(lm, lambda: os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP))
+def _hold_until(lm, gate, pid: int | None, over, cut=None, wait: float = 60.0):
+    """An action for `_kill_when_running`: hold every rank before its next chunk (the file `gate`), kill the
+    process `pid` (or `cut()` a Ray node), and let the ranks go once `over(pool)` (or after `wait` s)."""
+
+    def action():
+        gate.touch()
+        if cut is not None:
+            cut()
+        else:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + wait
+        while not over(lm.executor.pool) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gate.unlink()
+
+    return action
+
+
+def _run_held(lm, action, manager, seconds: float = 120.0):
+    """The MC task with `action` run once the first results are in; (results, info); the executor closed."""
+    thread = _kill_when_running(lm, action)
     try:
-        with within(120):
-            ours = evaluate(lm, None, tasks, MC)
+        with within(seconds):
+            ours = evaluate(lm, None, manager, MC)
         info = lm.executor.info()
     finally:
         lm.executor.close()
-        thread.join(timeout=30)
+        thread.join(timeout=90)
+    return ours, info
+
+
+def test_a_killed_rank_s_group_is_re_formed_and_takes_chunks_again(ray_cluster, llama_path, tasks, reference, tmp_path):
+    """A real SIGKILL of group 1's rank 1 mid-run, every rank held until the pool has re-formed group 1 from fresh
+    processes (or given up): the numbers are identical, group 1 is alive again and ran chunks after re-forming."""
+    gate = tmp_path / "hold"
+    actor = type("Slow", (Slow,), {"delay": 0.1, "gate": str(gate)})
+    lm = open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=2)
+    pid = _victim(lm)
+    settled = lambda pool: pool.reformed[1] or any("not re-formed" in r for r in pool.reasons)  # noqa: E731
+    ours, info = _run_held(lm, _hold_until(lm, gate, pid, settled), tasks)
     assert_same(ours, reference, MC)  # and Merge asserted every request arrived exactly once
+    assert info["workers_alive"] == 2 and lm.executor.pool.alive == {0, 1}
+    g1 = info["groups"][1]
+    (reason,) = g1["lost"]
+    assert reason.startswith("group g1 lost: rank 1 on ") and "died" in reason and "\n" not in reason
+    assert g1["reformed"] == 1 and g1["alive"] and g1["chunks"] > 0  # back, and ran chunks after re-forming
+    assert [r["formation"] for r in g1["ranks"]] == [1, 1] and info["groups"][0]["reformed"] == 0
+    assert sum(info["requests_computed"].values()) == 48
+    assert not alive_ranks() and free_units() == 4  # the re-formed group's ranks and units released too
+    time.sleep(1.0)
+    assert not _running(pid)
+
+
+def test_a_hung_rank_with_no_restart_left_loses_only_its_group(ray_cluster, llama_path, tasks, reference):
+    """A SIGSTOP of group 1's rank 1 (a hung rank, caught by the group deadline) with max_restarts=0: group 1 is
+    lost whole and not re-formed, in one line; its chunks rerun on group 0, the numbers are identical."""
+    actor = type("Slow", (Slow,), {"delay": 0.5})  # ~16 chunks: the run outlasts the deadline, not all backed up
+    lm = open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=2, max_restarts=0)
+    pid = _victim(lm)
+    lm.executor.pool.deadline = 4.0  # a hung group is given up after 4 s without an answer (a chunk takes ~0.5 s)
+    ours, info = _run_held(lm, lambda: os.kill(pid, signal.SIGSTOP), tasks)
+    assert_same(ours, reference, MC)
     assert info["workers_alive"] == 1 and lm.executor.pool.alive == {0}
     (reason,) = lm.executor.pool.reasons
-    assert reason.startswith("group g1 lost: ") and "\n" not in reason
-    assert ("rank 1 on " in reason and "died" in reason) if how == "killed" else "deadline (a hung rank)" in reason
+    assert reason.startswith("group g1 lost: no rank answered within its 4 s deadline (a hung rank)") and "\n" not in reason
+    assert reason.endswith("; not re-formed: no restart left (max_restarts=0)") and info["groups"][1]["lost"] == [reason]
     assert sum(info["requests_computed"].values()) == 48
     assert not alive_ranks() and free_units() == 4  # no stray rank, every unit free
     time.sleep(1.0)
     assert not _running(pid)
+
+
+def test_a_group_whose_node_is_gone_stays_lost_and_the_run_finishes(ray_cluster, llama_path, tasks, reference, tmp_path):
+    """A Ray node (a Mac) cut mid-run: its group is lost; the 3 nodes left hold no second group of 2, so the
+    re-forming gives up after its placement timeout, in one line, while the other group finishes the run."""
+    from conftest import NODE
+
+    gate = tmp_path / "hold"
+    actor = type("Slow", (Slow,), {"delay": 0.1, "gate": str(gate)})
+    lm = open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=2)
+    driver_socket = ray._private.worker.global_worker.node._raylet_socket_name
+    victim = next(n for n in ray_cluster.worker_nodes if n._raylet_socket_name != driver_socket)
+    lost = next(f["group"] for f in lm.executor.wait_ready() if victim.node_id in {r["node_id"] for r in f["ranks"]})
+    lm.executor.pool.recipe.timeouts["place"] = 3.0  # the re-forming waits 3 s for its units
+    gave_up = lambda pool: any("not re-formed" in r for r in pool.reasons)  # noqa: E731
+    try:
+        ours, info = _run_held(lm, _hold_until(lm, gate, None, gave_up, cut=lambda: ray_cluster.remove_node(victim, allow_graceful=False)), tasks)
+    finally:
+        ray_cluster.add_node(**NODE)
+        ray_cluster.wait_for_nodes()
+    assert_same(ours, reference, MC)
+    assert lm.executor.pool.alive == {1 - lost} and info["groups"][lost]["reformed"] == 0
+    (reason,) = info["groups"][lost]["lost"]
+    assert reason.startswith(f"group g{lost} lost: ") and "\n" not in reason
+    assert reason.endswith("; not re-formed: 2 `mlx` units on distinct nodes were not free within 3 s (a node gone, or another run holds them)")
+    assert sum(info["requests_computed"].values()) == 48
+    assert not alive_ranks() and free_units() == 4
 
 
 def _running(pid: int) -> bool:
@@ -164,10 +241,21 @@ def _running(pid: int) -> bool:
         return False
 
 
+class Stuck(Slow):
+    """A rank of a re-formed group (formation > 0) that never gives its ring address (a node that cannot start it)."""
+
+    def address(self) -> str:
+        if self.formation:
+            time.sleep(300)
+        return super().address()
+
+
 def test_losing_every_group_is_one_line(ray_cluster, llama_path, tasks):
-    actor = type("Slow", (Slow,), {"delay": 0.2})
-    lm = open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=1)
+    """The only group lost and its re-forming stuck past its timeout: the run ends in one line naming both."""
+    actor = type("Stuck", (Stuck,), {"delay": 0.2})
+    lm = open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=1, max_restarts=1)
     pid = _victim(lm, group=0, rank=1)
+    lm.executor.pool.recipe.timeouts["address"] = 2.0
     thread = _kill_when_running(lm, lambda: os.kill(pid, signal.SIGKILL))
     try:
         with within(120), pytest.raises(ClusterError) as e:
@@ -176,7 +264,8 @@ def test_losing_every_group_is_one_line(ray_cluster, llama_path, tasks):
         lm.executor.close()
         thread.join(timeout=30)
     message = str(e.value)
-    assert "\n" not in message and message.startswith("every worker group is lost (group g0 lost: rank 1 on ")
+    assert "\n" not in message and message.startswith("every worker group is lost (group g0 lost: rank 1 on "), message
+    assert "; not re-formed: rank 0 on " in message and "did not give its ring address within 2 s)" in message
     assert "loglikelihood requests finished" in message
     assert not alive_ranks() and free_units() == 4
 
@@ -251,3 +340,30 @@ def test_more_groups_than_the_nodes_hold_is_one_line_before_anything_starts(ray_
         "--workers 3 --group-size 2 needs 6 `mlx` nodes but the cluster has 4 (4 nodes): pass --workers 2 or a smaller --group-size"
     )
     assert not alive_ranks() and free_units() == 4
+
+
+def test_a_rank_past_0_tells_the_notes_of_the_layers_it_owns(ray_cluster, llama_path):
+    """Under pipeline the rank that owns a steered layer notes that ‖α·v‖ swamps the residual there: layer 1 lives
+    on rank 1, whose notes reach the head as rank 0's (layer 0) do."""
+    import numpy as np
+
+    from cluster.executor import RayExecutor, Workers
+    from driver.lm.progress import Progress
+    from worker.spec import Batching, Grouping, Intervention, Job, ModelSpec, Steering
+
+    spec, batching = ModelSpec(model=str(llama_path), max_length=64), Batching(batch_size=4, max_batch_tokens=128)
+    heard: list[str] = []
+    workers = Workers(spec, batching, workers=1, grouping=Grouping(size=2, split="pipeline"))
+    ex = RayExecutor(workers, cache=None, progress=Progress(), notes=lambda results: heard.extend(getattr(results, "notes", ())),
+                     model_identity={"model": str(llama_path)}, max_length=64)  # fmt: skip
+    rng = np.random.default_rng(1)
+    reqs = [((1, *rng.integers(3, 300, 12).tolist()), tuple(rng.integers(3, 300, 3).tolist())) for _ in range(24)]
+    swamp = lambda layer: Steering(interventions=(Intervention(layer=layer, vector=(1.0,) * 64, alpha=1e4),))  # noqa: E731
+    try:
+        assert [r["layers"] for r in ex.facts[0]["ranks"]] == [[0, 1], [1, 2]]
+        for layer in (1, 0):  # layer 1 first: its rank-1 answers still out when its run ends are settled by the next
+            ex.run(Job(kind="loglikelihood", steering=swamp(layer)), reqs)
+    finally:
+        ex.close()
+    for layer in (0, 1):
+        assert any(f"layer {layer})" in n and "the model no longer reads its input" in n for n in heard), (layer, set(heard))

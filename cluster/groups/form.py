@@ -22,6 +22,8 @@ from .rank import GroupRank
 JOIN_TIMEOUT = 30.0  # s for every rank of a group to join its ring
 FORM_TIMEOUT = 900.0  # s for a group to join and load its shares (a large model from disk)
 PLACE_TIMEOUT = 30.0  # s for a group's units to be free
+ADDRESS_TIMEOUT = 60.0  # s for every rank of a group to start and give its ring address
+ADDRESS = "give its ring address"
 
 
 @dataclass
@@ -67,11 +69,13 @@ def _placement(size: int, how: str, g: int, timeout: float) -> Any:
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if not ready:
         remove_placement_group(pg)
-        raise ClusterError(
-            f"group g{g}: {size} `{RESOURCE}` units on {'distinct nodes' if how == 'STRICT_SPREAD' else 'one node'} "
-            f"were not free within {timeout:.0f} s (another run holds them?): wait for it or pass fewer --workers"
-        )
+        raise ClusterError(f"group g{g}: {unplaced(size, how, timeout)} (another run holds them?): wait for it or pass fewer --workers")
     return pg
+
+
+def unplaced(size: int, how: str, timeout: float) -> str:
+    """'K `mlx` units on distinct nodes were not free within T s'."""
+    return f"{size} `{RESOURCE}` units on {'distinct nodes' if how == 'STRICT_SPREAD' else 'one node'} were not free within {timeout:.0f} s"
 
 
 def _where(actor: Any) -> str:
@@ -117,8 +121,10 @@ def _gather(formed: Formed, refs: list[list], doing: str, timeout: float) -> lis
     return answers
 
 
-def _place_ranks(cls: type, spec: ModelSpec, batching: Batching, g: int, size: int, pg: Any, threads: int | None) -> list:
-    per = [{"rank": g * size + r, "group": g, "rank_in_group": r} for r in range(size)]
+def place_ranks(cls: type, spec: ModelSpec, batching: Batching, g: int, size: int, pg: Any, threads: int | None,
+                formation: int = 0) -> list:  # fmt: skip
+    """Group g's rank actors in its placement group; `formation`: how many times the group was formed before."""
+    per = [{"rank": g * size + r, "group": g, "rank_in_group": r, "formation": formation} for r in range(size)]
     return place(cls, size, spec, batching, max_restarts=0, threads=threads, per_worker=per, placement=pg)
 
 
@@ -130,8 +136,8 @@ def launch(spec: ModelSpec, batching: Batching, n: int, grouping: Grouping, *, a
     try:
         for g in range(n):
             formed.placements.append(_placement(grouping.size, how, g, PLACE_TIMEOUT))
-            formed.ranks.append(_place_ranks(actor_cls, spec, batching, g, grouping.size, formed.placements[-1], threads))
-        hostfiles = _gather(formed, [[a.address.remote() for a in ranks] for ranks in formed.ranks], "give its ring address", 60.0)
+            formed.ranks.append(place_ranks(actor_cls, spec, batching, g, grouping.size, formed.placements[-1], threads))
+        hostfiles = _gather(formed, [[a.address.remote() for a in ranks] for ranks in formed.ranks], ADDRESS, ADDRESS_TIMEOUT)
         refs = [[a.form.remote(hosts, grouping, join_timeout) for a in ranks] for ranks, hosts in zip(formed.ranks, hostfiles)]
     except BaseException:
         release(formed)
@@ -142,11 +148,15 @@ def launch(spec: ModelSpec, batching: Batching, n: int, grouping: Grouping, *, a
 def ready(formed: Formed, refs: list[list], spec: ModelSpec, timeout: float = FORM_TIMEOUT) -> list[list[dict]]:
     """Each rank's facts once every group holds its model; a failure is one line, and every group is released."""
     try:
-        formed.facts = _gather(formed, refs, f"join its ring and load {spec.model}", timeout)
+        formed.facts = _gather(formed, refs, joining(spec), timeout)
     except BaseException:
         release(formed)
         raise
     return formed.facts
+
+
+def joining(spec: ModelSpec) -> str:
+    return f"join its ring and load {spec.model}"
 
 
 def form(spec: ModelSpec, batching: Batching, n: int, grouping: Grouping, **options: Any) -> Formed:
@@ -193,8 +203,9 @@ def ready_groups(formed: Formed, refs: list[list], spec: ModelSpec, files: dict 
 
 
 def rank_row(facts: dict) -> dict:
-    """What the summary keeps of one rank: where it runs, the layers it holds, its peak memory."""
-    keys = ("rank_in_group", "node_id", "hostname", "layers", "peak_memory_gb")
+    """What the summary keeps of one rank: where it runs, the layers it holds, its peak memory, and its group's
+    formation (0: the run's first; n: re-formed n times)."""
+    keys = ("rank_in_group", "node_id", "hostname", "layers", "peak_memory_gb", "formation")
     return {k: facts.get(k) for k in keys}
 
 

@@ -2,19 +2,24 @@
 
 `GroupHandle.run.remote(...)` sends a chunk to every rank, in the same order on every rank, and returns rank 0's
 ref (the group's result); the other ranks' refs are watched by the `GroupPool`. Any rank dying, its ring
-breaking, or the group making no progress within the deadline loses the whole group: every rank is killed (a
-process keeps its first ring for life, so there is no restart), and its chunks come back to the queue as a dead
-worker's do. A group's refs are never cancelled: cancelling one rank's task would desynchronise the ring.
+breaking, or the group making no progress within the deadline loses the whole group: every rank is killed and
+its placement group freed, and its chunks come back to the queue as a dead worker's do. A process keeps its
+first ring for life, so the slot is then re-formed from fresh processes (cluster.groups.reform), up to
+`max_restarts` times, while the other groups go on; where it cannot be (no nodes for it), it stays lost.
+A group's refs are never cancelled: cancelling one rank's task would desynchronise the ring.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..actor import Pool
+from ..connect import ClusterError
 from ..failures import _actor_id, _actor_record, _death, node_label
+from .reform import Recipe, Reform, free
 
 DEADLINE = 600.0  # s a group may go without any rank answering while it holds chunks (a hung rank)
 
@@ -30,12 +35,13 @@ class _Run:
 
 
 class GroupHandle:
-    """One group's ranks (rank 0 first), and the other ranks' refs not landed yet."""
+    """One group's ranks (rank 0 first), its placement group, and the other ranks' refs not landed yet."""
 
-    def __init__(self, ranks: Sequence[Any], index: int) -> None:
-        self.ranks, self.index = list(ranks), index
+    def __init__(self, ranks: Sequence[Any], index: int, placement: Any = None) -> None:
+        self.ranks, self.index, self.placement = list(ranks), index, placement
         self.watching: list = []  # refs of ranks > 0, in submission order
         self.since = 0.0  # when the group last made progress (or got work while idle)
+        self.chunks = 0  # chunks these ranks finished
         self.run = _Run(self)
 
     def submit(self, *args: Any) -> Any:
@@ -50,6 +56,10 @@ class GroupHandle:
 
         for r in self.ranks:
             ray.kill(r, no_restart=True)
+
+    def dead(self) -> bool:
+        """Whether Ray counts any of its ranks dead."""
+        return any(_actor_record(_actor_id(actor)).get("State") == "DEAD" for actor in self.ranks)
 
     def why(self, settle_s: float = 2.0) -> str:
         """'rank R on NODE died (...)' for the first rank Ray reports dead (waiting up to `settle_s` for Ray to
@@ -76,15 +86,26 @@ def ring_failure(error: BaseException) -> bool:
 
 
 class GroupPool(Pool):
-    """The groups of a run: which are alive; a lost group is killed whole and never comes back."""
+    """The groups of a run: which are alive; a lost group is killed whole and its slot re-formed (with `recipe`,
+    up to `max_restarts` times per slot) or left lost."""
 
-    def __init__(self, groups: Sequence[GroupHandle], deadline: float = DEADLINE) -> None:
+    def __init__(self, groups: Sequence[GroupHandle], deadline: float = DEADLINE, recipe: Recipe | None = None,
+                 max_restarts: int = 0, tell: Callable[[Any], None] = lambda notes: None) -> None:  # fmt: skip
+        """`tell(results)`: shows the steering notes ranks > 0 attach (the executor's notes callback)."""
         super().__init__(groups, revive=lambda group: None)
-        self.deadline = deadline
-        self.reasons: list[str] = []  # why each lost group was lost, in order
+        self.deadline, self.recipe, self.max_restarts, self.tell = deadline, recipe, max_restarts, tell
+        self.losses: list[tuple[int, str]] = []  # (slot, why it was lost [and why it was not re-formed]), in order
+        self.tries = [0] * len(self.workers)  # re-formings started per slot (its restart budget spent)
+        self.reformed = [0] * len(self.workers)  # re-formings that brought the slot back
+        self.reforms: dict[int, Reform] = {}  # slot -> its re-forming under way
+        self.facts: list[dict] = []  # per group (the executor's list): a re-formed group's replace the lost one's
+
+    @property
+    def reasons(self) -> list[str]:
+        return [line for _, line in self.losses]
 
     def lose(self, w: int, reason: str | None = None) -> None:
-        """Group w is gone: all its ranks killed, never revived."""
+        """Group w is gone: all its ranks killed, its units freed; its slot re-formed if it may be."""
         if w not in self.alive:
             return
         group = self.workers[w]
@@ -92,33 +113,112 @@ class GroupPool(Pool):
         self.alive.discard(w)
         group.watching.clear()
         group.kill()
-        self.reasons.append(f"group g{group.index} lost: {why}")
+        if self.recipe is not None and group.placement is not None:
+            free(self.recipe.placements, group.placement)
+        self.losses.append((w, f"group g{group.index} lost: {why}"))
+        self._reform(w)
+
+    def _reform(self, w: int) -> None:
+        if self.recipe is None:
+            return
+        if self.tries[w] >= self.max_restarts:
+            return self._stays_lost(w, f"no restart left (max_restarts={self.max_restarts})")
+        self.tries[w] += 1
+        try:
+            self.reforms[w] = Reform(self.recipe, w, self.tries[w])
+        except Exception as e:  # Ray refused the placement group
+            return self._stays_lost(w, f"{type(e).__name__}: {e}")
+        self.reviving.update(dict.fromkeys(self.reforms[w].pending, w))
+        print(f"{self.losses[-1][1]}; re-forming it from fresh processes (restart {self.tries[w]} of {self.max_restarts})", file=sys.stderr)
+
+    def _stays_lost(self, w: int, why: str) -> None:
+        """One line: the slot's last loss and why it was not re-formed."""
+        i = max(i for i, (slot, _) in enumerate(self.losses) if slot == w)
+        self.losses[i] = (w, f"{self.losses[i][1]}; not re-formed: {why}")
+        print(f"{self.losses[i][1]}: the run goes on with the other groups", file=sys.stderr)
+
+    def back(self, ref: Any) -> None:
+        """A ref of a slot's re-forming landed: its next step, or the slot alive again, or left lost."""
+        w = self.reviving.pop(ref)
+        reform = self.reforms[w]
+        try:
+            facts = reform.landed(ref)
+            if facts is not None:
+                self._differs(facts)
+        except ClusterError as e:
+            return self._give_up(w, str(e))
+        self.reviving.update(dict.fromkeys(reform.pending, w))
+        if facts is not None:
+            self._rejoin(w, reform, facts)
+
+    def _differs(self, facts: list[dict]) -> None:
+        """ClusterError if the new ranks hold other versions or model files than the run's first group."""
+        from ..actor import _other_files, held_files
+        from ..facts import mismatch
+
+        if not self.facts:
+            return
+        first, model = self.facts[0], self.recipe.spec.model
+        problem = mismatch([*facts, first], who="ranks") or _other_files(held_files(facts[0]), held_files(first), facts[0]["hostname"], model)
+        if problem:
+            raise ClusterError(problem)
+
+    def _rejoin(self, w: int, reform: Reform, facts: list[dict]) -> None:
+        from .form import rank_row
+
+        del self.reforms[w]
+        self.workers[w] = GroupHandle(reform.ranks, w, reform.pg)
+        if self.facts:
+            self.facts[w] = {**facts[0], "ranks": [rank_row(f) for f in facts]}
+        self.alive.add(w)
+        self.reformed[w] += 1
+        hosts = "+".join(f["hostname"] for f in facts)
+        print(f"group g{w} re-formed on {hosts} (restart {self.tries[w]} of {self.max_restarts}): it takes chunks again", file=sys.stderr)
+
+    def _give_up(self, w: int, why: str) -> None:
+        reform = self.reforms.pop(w)
+        for ref in reform.pending:
+            self.reviving.pop(ref, None)
+        reform.abandon()
+        self._stays_lost(w, why)
+
+    def stale(self, w: int) -> bool:
+        """Whether a failed answer on slot w came from the ranks it had before it was re-formed (theirs fail
+        within moments of the kill, long before fresh ranks load; this guards the rest): every rank is alive."""
+        return bool(self.reformed[w]) and w in self.alive and not self.workers[w].dead()
 
     def lost(self, w: int) -> None:  # a result of rank 0 failed: its process died
-        self.lose(w)
+        if not self.stale(w):
+            self.lose(w)
 
     def watched(self) -> dict:
         return {ref: w for w in sorted(self.alive) for ref in self.workers[w].watching}
 
     def settle(self, ref: Any) -> None:
-        """A rank > 0 answered: progress; or it failed: the group is lost (an error that is not the ring's is
-        raised, as rank 0's would be)."""
+        """A rank > 0 answered: progress (its steering notes told); or it failed: the group is lost (an error that
+        is not the ring's is raised, as rank 0's would be)."""
         import ray
 
         w = self.watched()[ref]
         group = self.workers[w]
         group.watching.remove(ref)
         try:
-            ray.get(ref)
+            value = ray.get(ref)
         except Exception as e:
             self.lose(w)
             if not ring_failure(e):
                 raise
             return
         group.since = time.monotonic()
+        group.chunks += 1
+        if isinstance(value, tuple) and value[1] is not None:
+            self.tell(value[1])  # the notes of steering on a layer this rank owns
 
     def due(self) -> float | None:
-        waits = [self.workers[w].since + self.deadline - time.monotonic() for w in self.alive if self.workers[w].watching]
+        """Seconds until the next deadline: a group holding chunks, or a slot's re-forming step."""
+        now = time.monotonic()
+        waits = [self.workers[w].since + self.deadline - now for w in self.alive if self.workers[w].watching]
+        waits += [reform.deadline - now for reform in self.reforms.values()]
         return max(0.0, min(waits)) if waits else None
 
     def expire(self) -> None:
@@ -127,11 +227,16 @@ class GroupPool(Pool):
             group = self.workers[w]
             if group.watching and now - group.since >= self.deadline:
                 self.lose(w, f"no rank answered within its {self.deadline:g} s deadline (a hung rank)")
+        for w, reform in list(self.reforms.items()):
+            why = reform.overdue()
+            if why:
+                self._give_up(w, why)
 
     def broken(self, w: int, error: BaseException) -> bool:
         if not ring_failure(error):
             return False
-        self.lose(w)
+        if not self.stale(w):
+            self.lose(w)
         return True
 
     def drop(self, ref: Any) -> None:

@@ -2,8 +2,9 @@
 
 The constructor loads nothing: the head first asks every rank for an address (`address`), then hands all of
 them the same hostfile (`form`). Every rank gets the same calls in the same order (the lockstep rule of
-notes/GROUPS.md); rank 0 returns the group's results, the others `(indices, None)`. A rank is never restarted:
-a process keeps its first ring for life.
+notes/GROUPS.md); rank 0 returns the group's results, the others `(indices, None)` or only their steering notes.
+A rank is never restarted: a process keeps its first ring for life; a lost group is re-formed from fresh ranks
+(cluster.groups.reform).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from worker.jobs import run
+from worker.jobs import Results, run
 from worker.load import load, resolve
 from worker.spec import Batching, Grouping, Job, ModelSpec
 from worker.split import peak_memory_gb
@@ -26,12 +27,14 @@ def _node_ip() -> str:
 
 
 class GroupRank(WorkerActor):
-    """Rank `rank_in_group` of group `group`; `rank` is its place among all ranks of the run."""
+    """Rank `rank_in_group` of group `group`; `rank` is its place among all ranks of the run; `formation`: 0 for
+    the run's first group in this slot, n for its n-th re-forming (fresh processes: `restarted`)."""
 
-    def __init__(self, spec: ModelSpec, batching: Batching, rank: int = 0, group: int = 0, rank_in_group: int = 0):
+    def __init__(self, spec: ModelSpec, batching: Batching, rank: int = 0, group: int = 0, rank_in_group: int = 0,
+                 formation: int = 0):  # fmt: skip
         self.rank, self.batching, self.spec = rank, batching, spec
-        self.group, self.rank_in_group = group, rank_in_group
-        self.restarted, self.error, self.lm = False, None, None
+        self.group, self.rank_in_group, self.formation = group, rank_in_group, formation
+        self.restarted, self.error, self.lm = formation > 0, None, None
         self.grouping: Grouping | None = None
 
     def address(self) -> str:
@@ -59,6 +62,7 @@ class GroupRank(WorkerActor):
             **super().facts(),
             "group": self.group,
             "rank_in_group": self.rank_in_group,
+            "formation": self.formation,
             "group_size": self.grouping.size if self.grouping else 1,
             "split": self.grouping.split if self.grouping else None,
             "layers": list(layers) if layers is not None else None,
@@ -69,5 +73,10 @@ class GroupRank(WorkerActor):
         return peak_memory_gb()
 
     def run(self, job: Job, indices: Sequence[int], requests: Sequence[Any]) -> tuple[Sequence[int], list | None]:
+        """Rank 0: the group's results. The others: None, or only their steering notes (a note is made by the rank
+        that owns the steered layer, which under pipeline is not rank 0)."""
         results = run(self.lm, job, requests, self.batching)
-        return indices, (results if self.rank_in_group == 0 else None)
+        if self.rank_in_group == 0:
+            return indices, results
+        notes = getattr(results, "notes", ())
+        return indices, (Results((), notes) if notes else None)
