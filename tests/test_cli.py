@@ -157,6 +157,18 @@ def test_run_summaries_say_where_the_results_came_from():
     assert on_workers({"workers": 4, "nodes": 2, "address": "127.0.0.1:6379"}) == "on 4 workers on 2 nodes"
 
 
+def test_run_summaries_report_the_prefix_stores():
+    from driver.lm.evaluation import _summary, prefix_store_line
+
+    stores = [{"hits": 3, "extended": 1, "tokens_reused": 900, "peak_bytes": 3 << 20, "budget": 1 << 30, "evicted": 0},
+              {"hits": 2, "extended": 0, "tokens_reused": 400, "peak_bytes": 5 << 20, "budget": 1 << 30, "evicted": 2}]
+    info = {"address": "local", "workers": 2, "workers_alive": 2, "nodes": 1, "requests_computed": {}, "requests_cached": 0,
+            "seconds": 1.0, "cache": None, "facts": [], "prefix_store": stores}
+    assert _summary(info, 2.0)["prefix_store"] == stores
+    assert prefix_store_line(stores) == ("  prefix KV store: 5 hits, 1 extended, 1300 tokens reused, peak 5.0 of 1024 MiB "
+                                         "per worker, 2 evicted")
+
+
 # --- what a user meets in a real run: real subprocesses on an embedded Ray (issue 15) ------------------------------
 
 NOISE = ("PyTorch was not found", "aggregation is not", "higher_is_better is not", "fatal:", "1 workers", "Traceback")

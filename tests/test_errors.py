@@ -186,6 +186,8 @@ SETTINGS = [
     Case("model-args typo", "run", ["--model-args", "dtpye=float16"], 2, "unknown key 'dtpye' (did you mean dtype?)"),
     Case("model-args without =", "run", ["--model-args", "float16"], 2, "--model-args 'float16': expected key=value"),
     Case("model-args bad dtype", "run", ["--model-args", "dtype=float8"], 2, "--model-args dtype=float8: unknown value"),
+    Case("model-args negative prefix cache", "run", ["--model-args", "prefix_cache_mb=-1"], 2,
+         "--model-args prefix_cache_mb=-1: too small: give an integer >= 0 (MiB of prefix KV"),
     Case("model-args has a flag", "run", ["--model-args", "batch_size=4"], 2, "--model-args batch_size=4: set it with --batch-size"),
     Case("workers 0", "run", ["--workers", "0"], 2, "--workers 0: at least 1 worker is needed"),
     Case("seed 1,2", "run", ["--seed", "1,2"], 2, "--seed"),

@@ -15,3 +15,8 @@ class BadUsage(click.ClickException):
     """The command line itself is wrong (exit 2); one line."""
 
     exit_code = 2
+
+
+def one_line(message: object) -> str:
+    """A message on one line: every run of whitespace (newlines too) becomes one space."""
+    return " ".join(str(message).split())

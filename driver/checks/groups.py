@@ -4,11 +4,11 @@ holding one copy of the model split across them; `--workers N` asks for N groups
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 from worker.spec import Grouping
+from worker.split import smallest_size
 
 from driver.checks.errors import BadUsage, Refused
 
@@ -37,11 +37,6 @@ def tell_chosen(size: int | str, split: str, found: Grouping) -> None:
 def share_fits(need_gb: float, size: int, have_gb: float) -> bool:
     """Whether one rank's share of `need_gb` of weights (split `size` ways) fits in `have_gb` for models."""
     return need_gb / size <= have_gb
-
-
-def smallest_size(need_gb: float, have_gb: float) -> int:
-    """The fewest nodes of `have_gb` each for models whose shares hold `need_gb` of weights."""
-    return max(1, math.ceil(need_gb / have_gb)) if have_gb > 0 else 0
 
 
 def too_large(need_gb: float, have_gb: float, size: int, where: str) -> str:

@@ -9,7 +9,7 @@ import sys
 import click
 
 from driver.checks import settings
-from driver.checks.errors import BadUsage
+from driver.checks.errors import BadUsage, one_line
 from driver.lm import quiet
 
 
@@ -20,10 +20,6 @@ def usage_errors():
         yield
     except settings.SettingError as e:
         raise BadUsage(str(e)) from None
-
-
-def one_line(message: str) -> str:
-    return " ".join(str(message).split())
 
 
 class OneLineErrors(click.Group):

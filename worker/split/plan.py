@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 import re
 import sys
 from functools import lru_cache
@@ -96,6 +97,11 @@ def _check_tensor(config: dict, size: int) -> str | None:
             return (f"the model's {n} {what} do not divide by group size {size}: use a group size that divides "
                     f"{n}, or --split pipeline")  # fmt: skip
     return None
+
+
+def smallest_size(need_gb: float, have_gb: float) -> int:
+    """The fewest ranks of `have_gb` each for models whose shares hold `need_gb` of weights (0: none will)."""
+    return max(1, math.ceil(need_gb / have_gb)) if have_gb > 0 else 0
 
 
 def peak_memory_gb() -> float:
