@@ -85,7 +85,7 @@ def build(family: str):
     zeros = [(k, v) for k, v in tree_flatten(model.parameters()) if v.ndim >= 2 and not mx.any(v).item()]
     model.update(tree_unflatten([(k, 0.02 * mx.random.normal(v.shape).astype(v.dtype)) for k, v in zeros]))
     mx.eval(model.parameters())
-    return model
+    return model.eval()  # as mlx_lm.load leaves it (MoE blocks such as dbrx's take another path in training mode)
 
 
 def forward(model, hooks=None):

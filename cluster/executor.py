@@ -334,6 +334,7 @@ class RayExecutor:
         return [
             {"group": f["group"], "size": f.get("group_size"), "split": f.get("split"), "alive": g in pool.alive,
              "reformed": pool.reformed[g], "lost": lost.get(g, []), "chunks": pool.workers[g].chunks,
+             "re_forming": pool.reforms[g].step if g in pool.reforms else None,  # place (waiting for nodes), address, form
              "ranks": [{**r, "peak_memory_gb": peaks.get((g, r["rank_in_group"]), r["peak_memory_gb"])} for r in f["ranks"]]}
             for g, f in enumerate(facts)
         ]  # fmt: skip

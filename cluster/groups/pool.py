@@ -5,7 +5,9 @@ ref (the group's result); the other ranks' refs are watched by the `GroupPool`. 
 breaking, or the group making no progress within the deadline loses the whole group: every rank is killed and
 its placement group freed, and its chunks come back to the queue as a dead worker's do. A process keeps its
 first ring for life, so the slot is then re-formed from fresh processes (cluster.groups.reform), up to
-`max_restarts` times, while the other groups go on; where it cannot be (no nodes for it), it stays lost.
+`max_restarts` times, while the other groups go on. While they do, it waits for free nodes as long as the run
+lasts (a Mac that comes back is used); with no group left, that wait has its timeout. A slot that cannot be
+re-formed stays lost, in one line.
 A group's refs are never cancelled: cancelling one rank's task would desynchronise the ring.
 """
 
@@ -116,7 +118,16 @@ class GroupPool(Pool):
         if self.recipe is not None and group.placement is not None:
             free(self.recipe.placements, group.placement)
         self.losses.append((w, f"group g{group.index} lost: {why}"))
+        if not self.alive:  # the slots waiting for nodes were patient while others worked: now their timeout counts
+            for reform in self.reforms.values():
+                if reform.step == "place":
+                    reform.restart_clock()
         self._reform(w)
+
+    def patient(self, reform: Reform) -> bool:
+        """Whether a re-forming waits for its nodes without a timeout: while other groups work, a Mac that comes
+        back is one to use (the run does not wait for it: it ends with the work)."""
+        return reform.step == "place" and bool(self.alive)
 
     def _reform(self, w: int) -> None:
         if self.recipe is None:
@@ -218,7 +229,7 @@ class GroupPool(Pool):
         """Seconds until the next deadline: a group holding chunks, or a slot's re-forming step."""
         now = time.monotonic()
         waits = [self.workers[w].since + self.deadline - now for w in self.alive if self.workers[w].watching]
-        waits += [reform.deadline - now for reform in self.reforms.values()]
+        waits += [reform.deadline - now for reform in self.reforms.values() if not self.patient(reform)]
         return max(0.0, min(waits)) if waits else None
 
     def expire(self) -> None:
@@ -228,6 +239,9 @@ class GroupPool(Pool):
             if group.watching and now - group.since >= self.deadline:
                 self.lose(w, f"no rank answered within its {self.deadline:g} s deadline (a hung rank)")
         for w, reform in list(self.reforms.items()):
+            if self.patient(reform):
+                reform.restart_clock()
+                continue
             why = reform.overdue()
             if why:
                 self._give_up(w, why)

@@ -57,7 +57,11 @@ class Reform:
 
     def _step(self, name: str, refs: list) -> None:
         self.step, self.refs, self.pending = name, refs, list(refs)
-        self.deadline = time.monotonic() + self.recipe.timeouts[name]
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """The step's timeout counted from now."""
+        self.deadline = time.monotonic() + self.recipe.timeouts[self.step]
 
     def landed(self, ref: Any) -> list[dict] | None:
         """Take one of the step's refs; start the next step once all landed. Every rank's facts once the group
