@@ -157,8 +157,8 @@ def test_run_summaries_say_where_the_results_came_from():
     assert on_workers({"workers": 4, "nodes": 2, "address": "127.0.0.1:6379"}) == "on 4 workers on 2 nodes"
 
 
-def test_run_summaries_report_the_prefix_stores():
-    from driver.lm.evaluation import _summary, prefix_store_line
+def test_run_summaries_report_the_prefix_stores(capsys):
+    from driver.lm.evaluation import _print_summary, _summary, prefix_store_line
 
     stores = [{"hits": 3, "extended": 1, "tokens_reused": 900, "peak_bytes": 3 << 20, "budget": 1 << 30, "evicted": 0},
               {"hits": 2, "extended": 0, "tokens_reused": 400, "peak_bytes": 5 << 20, "budget": 1 << 30, "evicted": 2}]
@@ -167,6 +167,10 @@ def test_run_summaries_report_the_prefix_stores():
     assert _summary(info, 2.0)["prefix_store"] == stores
     assert prefix_store_line(stores) == ("  prefix KV store: 5 hits, 1 extended, 1300 tokens reused, peak 5.0 of 1024 MiB "
                                          "per worker, 2 evicted")
+    _print_summary(_summary(info, 2.0))
+    assert prefix_store_line(stores) in capsys.readouterr().out.splitlines()
+    _print_summary(_summary({**info, "prefix_store": [{**s, "peak_bytes": 0} for s in stores]}, 2.0))
+    assert "prefix KV store" not in capsys.readouterr().out  # nothing stored (no generation): no line
 
 
 # --- what a user meets in a real run: real subprocesses on an embedded Ray (issue 15) ------------------------------

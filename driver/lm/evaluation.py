@@ -70,7 +70,7 @@ def _print_summary(summary: dict) -> None:
     )
     for name, row in summary["per_worker"].items():
         click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s")
-    if summary["prefix_store"]:
+    if any(s["peak_bytes"] for s in summary["prefix_store"]):  # only when generation stored prefixes: else noise
         click.echo(prefix_store_line(summary["prefix_store"]))
 
 
