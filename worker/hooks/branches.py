@@ -62,24 +62,17 @@ def _kind(module) -> str:
     return "mlp" if ("mlp" in name or "moe" in name) else "other"
 
 
-def _attention(block):
-    for path in ATTENTION_PATHS:
+def _branch(block, paths, kind: str):
+    """The first module at `paths`; one in a shared mixer slot only if its class says it is of `kind`."""
+    for path in paths:
         found = _get(block, path)
-        if found is not None and (path not in MIXER_SLOTS or _kind(found) == "attention"):
-            return found
-    return None
-
-
-def _mlp(block):
-    for path in MLP_PATHS:
-        found = _get(block, path)
-        if found is not None and (path not in MIXER_SLOTS or _kind(found) == "mlp"):
+        if found is not None and (path not in MIXER_SLOTS or _kind(found) == kind):
             return found
     return None
 
 
 def _first(block, names):
-    return next((_get(block, n) for n in names if _get(block, n) is not None), None)
+    return next((found for n in names if (found := _get(block, n)) is not None), None)
 
 
 def _mixer(block) -> str | None:
@@ -109,7 +102,7 @@ def branches(block) -> Branches:
         why["attn_out"] = why["mlp_out"] = ("it runs two attention sublayers, each with its own MLP, and a shortcut "
                                             "MoE: no one module is its attention or MLP branch")  # fmt: skip
         return Branches(why=why)
-    attn, mlp = _attention(block), _mlp(block)
+    attn, mlp = _branch(block, ATTENTION_PATHS, "attention"), _branch(block, MLP_PATHS, "mlp")
     if attn is None:
         mixer = _mixer(block)
         why["attn_out"] = f"its token mixer is {mixer}, not attention" if mixer else "it has no attention module"
