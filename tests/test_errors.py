@@ -287,6 +287,16 @@ def _truncate(path: Path) -> None:
         fh.truncate(path.stat().st_size // 2)
 
 
+def _more_tokens(folder: Path) -> None:
+    """Tokens added to the tokenizer until two ids have no row in the embedding table."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    rows = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tok.add_special_tokens([f"<extra_{i}>" for i in range(rows + 2 - tok.get_vocab_size())])
+    tok.save(str(folder / "tokenizer.json"))
+
+
 def _config_says(**changes) -> Setup:
     def damage(folder: Path) -> None:
         config = json.loads((folder / "config.json").read_text())
@@ -397,6 +407,8 @@ MODEL_ROWS: list[Case] = [  # model files, tokenizer, tasks, run flags, demo
          "config.json says hidden size 128 but model.embed_tokens.weight in model.safetensors is ", setup=_config_says(hidden_size=128)),
     Case("config vocab mismatch", "run", [], 1, "config.json says vocab_size 7 but model.embed_tokens.weight",
          setup=_config_says(vocab_size=7)),
+    Case("tokenizer past the embedding", "run", [], 1, "tokens but config.json's vocab_size is ",
+         setup=_damaged_model(_more_tokens)),
     Case("config more layers than weights", "run", [], 1, "config.json says 9 layers but the weights hold 2",
          setup=_config_says(num_hidden_layers=9)),
     Case("tokenizer.json malformed", "run", [], 1, "tokenizer.json is not valid JSON (Expecting property name",

@@ -112,6 +112,17 @@ def check_tokenizer(folder: Path, apply_chat_template: bool = False) -> None:
         )
 
 
+def check_vocabulary(folder: Path, tokenizer, config: dict) -> None:
+    """Every id the tokenizer can give has a row in the model's embedding table. torch raises on an id past the
+    table; MLX reads past it without an error (seen: random logits that changed run to run), so it is refused here."""
+    from worker.split.plan import config_int
+
+    rows, size = config_int(config, ("vocab_size",)), len(tokenizer)
+    if rows and size > rows:
+        raise Refused(f"{folder}: the tokenizer has {size} tokens but config.json's vocab_size is {rows}, so ids {rows} "
+                      f"to {size - 1} have no embedding row: use the tokenizer that came with these weights")
+
+
 def check_steering(steer: str, config: dict):
     """The spec's `worker.spec.Steering` for this model, every problem refused in one line."""
     from driver.steering.spec import SteeringError, for_model

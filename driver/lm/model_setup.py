@@ -11,6 +11,7 @@ from typing import Any
 from worker.load import fingerprint, is_local, resolve
 from worker.spec import NO_STEERING, Batching, ModelSpec, Steering
 
+from driver.checks.model import check_vocabulary
 from driver.checks.settings import MODEL_ARGS, RAY_ONLY, check_model_args, closest
 from driver.steering.spec import for_model
 
@@ -104,6 +105,7 @@ def read_model_files(spec: ModelSpec) -> ModelFiles:
     folder = tokenizer_folder(spec.model, spec.revision)
     tokenizer = load_tokenizer(folder, spec.trust_remote_code)
     config = json.loads((folder / "config.json").read_text())
+    check_vocabulary(folder, tokenizer, config)
     gen_config = folder / "generation_config.json"
     return ModelFiles(folder, tokenizer, config, json.loads(gen_config.read_text()) if gen_config.exists() else {})
 
