@@ -198,7 +198,7 @@ def kv_report(lm, reqs, batch_size: int) -> str:
     once = sum(p for p, _ in fams) * per_token
     copied = max((min(n, batch_size) * p for p, n in fams), default=0) * per_token
     return (f"families: {len(fams)} (prefix tokens, rows: {fams}); prefix KV held once: {once / 2**20:.1f} MiB; "
-            f"largest per-batch copy (BatchKVCache writes need a buffer per row): {copied / 2**20:.1f} MiB")
+            f"largest per-batch copy where a model keeps copies (failing worker.cascade's self-check): {copied / 2**20:.1f} MiB")
 
 
 def copy_cost(lm, reqs, batch_size: int) -> str:
@@ -224,7 +224,13 @@ def copy_cost(lm, reqs, batch_size: int) -> str:
         mx.eval([dynamic_roll(x, pads[:, None], axis=2) for x in out])
         best = min(best, time.perf_counter() - t)
     size = sum(x.nbytes for x in out)
-    return f"per-batch prefix copy + roll ({batch} rows x {prefix} tokens, {size / 2**20:.1f} MiB): {best * 1e3:.0f} ms"
+    from worker import cascade
+    from worker.generate import _prefill_copied
+
+    path = ("one copy read by every row (worker.cascade)" if cascade.usable(lm, _prefill_copied)
+            else "copied per row (the model failed worker.cascade's self-check)")
+    return (f"prefix attention: {path}; the copied path's per-batch prefix copy + roll ({batch} rows x {prefix} tokens, "
+            f"{size / 2**20:.1f} MiB): {best * 1e3:.0f} ms")
 
 
 def agreement(a: list, b: list) -> str:

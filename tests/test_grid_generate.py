@@ -15,7 +15,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from worker.generate import GenRequest
+from worker import cascade
+from worker.generate import GenRequest, _prefill_copied
 from worker.grid import grid_generate, shares_lower
 from worker.grid.generation import LOWER, staged_splits
 from worker.hooks import decoder_layers
@@ -62,6 +63,7 @@ def computed_prompts(lm, grid, reqs, batching) -> tuple[list[list[str]], int]:
     forward: prefills, prefix passes and their extensions; decode steps and one-token suffixes feed one)."""
     store(lm).clear()
     fed = []
+    cascade.usable(lm, _prefill_copied)  # the model's one-time self-check runs before the counting
 
     def body(x, cache=None):
         fed.append(x.shape[0] * x.shape[1] if x.shape[1] > 1 else 0)

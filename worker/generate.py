@@ -1,19 +1,13 @@
 """generate_until over token ids, with lm-eval HF-backend semantics. No Ray, no lm-eval.
 
-Requests are sorted by prompt length and run in left-padded batches: one prefill forward over the padded
-prompts, then one decode forward per step for the rows still running. Finished rows are dropped from the
-KV caches so they cost nothing. Each step is evaluated once (one host sync) to read the new tokens.
-
-Prefix families (worker.score's, for loglikelihood): requests whose prompts share at least MIN_SHARED_PREFIX
-tokens run that prefix once (batch 1, under the job's hooks, as prompt positions); each batch of the family
-then starts from its KV cache broadcast to the batch, prefills only the rows' own suffixes (right-padded, as
-mlx-lm's BatchGenerator does) and rolls the pads to the left (`BatchKVCache.finalize`), so decoding runs on the
-same left-padded layout as an unshared batch. Positions and RoPE offsets are those of the unshared run.
-Prefills (a family's batch, or rows sharing nothing) that together fit in batch_size rows are joined into one
-decode batch, so small families decode together.
-The broadcast prefix is copied once per batch (BatchKVCache writes into one buffer per row; a few ms, against
-seconds of prefill saved). Prefix KV caches are kept across calls in a bounded per-model LRU
-(worker.prefix_cache), keyed by the prefix tokens and the installed steering that can touch them.
+Requests are sorted by prompt length and run in left-padded batches: one prefill forward, then one decode
+forward per step for the rows still running (finished rows are dropped from the caches); one host sync a step.
+Prefix families (worker.score's): prompts that share at least MIN_SHARED_PREFIX tokens run that prefix once
+(batch 1, under the job's hooks); each batch of the family then prefills only its rows' suffixes, on one copy of
+the prefix KV that every row reads (worker.cascade) where the model passes its self-check, else on copies (the
+suffixes right-padded, then the pads rolled left by `BatchKVCache.finalize`). Positions and RoPE offsets are
+those of the unshared run. Prefills that fit in batch_size rows together decode as one batch. Prefix KV is kept
+across calls in a bounded per-model LRU (worker.prefix_cache), keyed by the tokens and the steering that touches it.
 """
 
 from __future__ import annotations
@@ -23,7 +17,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
+from . import cascade
 from .hooks import Rows, decoder_layers
 from .prefix_cache import merged, own_prefixes, prefix_kv
 from .score import MAX_PADDING, MIN_ROWS, Row, _broadcast, _families
@@ -279,8 +275,6 @@ def _prefill(lm: Any, reqs: list[GenRequest]) -> tuple[list[Any], list[int], int
 
 def shared_batch_cache(prefix_cache: list[Any], batch: int) -> list[Any]:
     """BatchKVCaches that start with the prefix's keys and values broadcast to every row (no left padding)."""
-    from mlx_lm.models.cache import BatchKVCache
-
     out = []
     for kv in _broadcast(prefix_cache, batch):
         c = BatchKVCache([0] * batch)
@@ -290,11 +284,16 @@ def shared_batch_cache(prefix_cache: list[Any], batch: int) -> list[Any]:
     return out
 
 
-def _prefill_suffixes(
-    lm: Any, reqs: list[GenRequest], prefix_cache: list[Any], prefix: int
-) -> tuple[list[Any], list[int], int, mx.array]:
-    """Each row's suffix after the shared prefix, right-padded, in one forward; then the pads are rolled to the
-    left of the cache, so the result is the left-padded layout `_prefill` gives (same return values)."""
+def _prefill_suffixes(lm: Any, reqs: list[GenRequest], prefix_cache: list[Any], prefix: int) -> tuple[list[Any], list[int], int, mx.array]:
+    """A family's suffixes on one copy of the prefix KV (worker.cascade) where the model allows, else copied."""
+    if cascade.usable(lm, _prefill_copied):
+        return cascade.prefill(lm, reqs, prefix_cache, prefix)
+    return _prefill_copied(lm, reqs, prefix_cache, prefix)
+
+
+def _prefill_copied(lm: Any, reqs: list[GenRequest], prefix_cache: list[Any], prefix: int) -> tuple[list[Any], list[int], int, mx.array]:
+    """Each row's suffix after the prefix (copied per row), right-padded, in one forward; then the pads are rolled to
+    the left of the cache, so the result is the left-padded layout `_prefill` gives (same return values)."""
     suffixes = [r.context[prefix:] for r in reqs]
     W = max(map(len, suffixes))
     right = [W - len(s) for s in suffixes]
@@ -332,15 +331,16 @@ def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]]) -> 
     done = [_prefill(lm, r) if shared is None else _prefill_suffixes(lm, r, shared, prefix) for r, shared, prefix in parts]
     if len(done) == 1:
         return done[0]
-    from mlx_lm.models.cache import BatchKVCache
-
     cache = done[0][0]
-    if not all(type(c) is BatchKVCache for d in done for c in d[0]):
+    if any(isinstance(c, cascade.SharedPrefixCache) for d in done for c in d[0]):  # a plain part joins as one group
+        cache = [c if isinstance(c, cascade.SharedPrefixCache) else cascade.SharedPrefixCache.plain(c) for c in cache]
+    if not all(isinstance(c, BatchKVCache) for d in done for c in d[0]):
         raise ValueError("only plain KV caches can be joined")  # never: families need plain KV caches
     for d in done[1:]:
         for c, other in zip(cache, d[0]):
             c.extend(other)
-    return cache, cache[0].left_padding.tolist(), cache[0]._idx, mx.concatenate([d[3] for d in done])
+    pos = max(d[2] for d in done)  # hooks' layout: every prompt left-padded to end at pos (caches keep their own)
+    return cache, [pos - len(r.context) for rs, _, _ in parts for r in rs], pos, mx.concatenate([d[3] for d in done])
 
 
 def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos: frozenset[int]) -> list[list[int]]:

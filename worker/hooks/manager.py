@@ -131,6 +131,15 @@ class HookManager:
             self.rows = previous
 
     @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """No hook runs inside: for a probe forward that belongs to no job (worker.cascade's self-check)."""
+        saved, self._hooks = self._hooks, {}
+        try:
+            yield
+        finally:
+            self._hooks = saved
+
+    @contextlib.contextmanager
     def installed(self, interventions: Sequence[tuple[str, Hook]]) -> Iterator[None]:
         """Register (name, hook) pairs for the duration of a job, then remove exactly those.
 

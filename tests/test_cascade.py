@@ -1,0 +1,110 @@
+"""A shared prefix's KV held once and read by every row (worker.cascade): the attention it computes is the one over
+each row's whole cache, for every testbed architecture, and a model whose attention does not go through the
+wrapped function keeps the copied prefix."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm.models.base as base
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from testbed.models import ARCHITECTURES, write_model
+from worker import cascade
+from worker.cascade import SharedPrefixCache
+from worker.generate import GenRequest, _prefill_copied, generate_tokens
+from worker.load import load
+from worker.prefix_cache import store
+
+B_KV, HEADS, D = 2, 4, 8  # kv heads, query heads (grouped 2 per kv head), head dim
+
+
+def _prefix(length: int, seed: int) -> KVCache:
+    kv = KVCache()
+    k, v = (mx.random.normal((1, B_KV, length, D), key=mx.random.key(seed + i)) for i in (0, 1))
+    kv.update_and_fetch(k, v)
+    return kv
+
+
+def _reference(q, groups, own_k, own_v, mask, scale):
+    """Every row's prefix copied in front of its own keys, through mlx's own attention."""
+    rows, start = [], 0
+    for kv, n in groups:
+        for b in range(start, start + n):
+            pk = kv.keys[..., : kv.offset, :] if kv else mx.zeros((1, B_KV, 0, D))
+            pv = kv.values[..., : kv.offset, :] if kv else mx.zeros((1, B_KV, 0, D))
+            k = mx.concatenate([pk, own_k[b : b + 1]], axis=2)
+            v = mx.concatenate([pv, own_v[b : b + 1]], axis=2)
+            m = mx.concatenate([mx.ones((1, 1, q.shape[2], pk.shape[2]), dtype=mx.bool_), mask[b : b + 1]], axis=-1)
+            rows.append(mx.fast.scaled_dot_product_attention(q[b : b + 1], k, v, scale=scale, mask=m))
+        start += n
+    return mx.concatenate(rows)
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+def test_split_attention_equals_attention_over_the_copied_prefix(queries):
+    """Two families with prefixes of different lengths and two rows sharing none, left-padded own tokens: each
+    real query's output equals mlx's attention over [its prefix ; its own keys]; the parts held once."""
+    groups = [(_prefix(7, 0), 2), (_prefix(3, 10), 3), (None, 2)]
+    pads = [0, 2, 1, 0, 3, 0, 1]
+    cache = SharedPrefixCache(groups, pads)
+    assert cache.offset.tolist() == [7 - 0, 7 - 2, 3 - 1, 3 - 0, 3 - 3, 0, -1]  # RoPE positions count the prefix
+    own = 6
+    mask = cache.make_mask(own)
+    k, v = (mx.random.normal((7, B_KV, own, D), key=mx.random.key(20 + i)) for i in (0, 1))
+    keys, values = cache.update_and_fetch(k, v)
+    q = mx.random.normal((7, HEADS, own, D), key=mx.random.key(30))[:, :, own - queries :]
+    mask = mask[:, :, own - queries :]
+    got = cache.attend(q, keys, values, 0.35, mask)
+    want = _reference(q, groups, keys, values, mask, 0.35)
+    real = mx.array(pads)[:, None, None, None] <= mx.arange(own - queries, own)[None, None, :, None]
+    assert mx.all(mx.isfinite(got)).item()  # pads too: their values never poison a real row
+    assert mx.allclose(mx.where(real, got, 0), mx.where(real, want, 0), atol=2e-6).item()
+    assert keys.shape[2] == own  # the rows' caches hold their own tokens only
+
+
+def test_filter_and_extend_keep_each_row_with_its_prefix():
+    a, b = _prefix(5, 0), _prefix(4, 1)
+    left = SharedPrefixCache([(a, 2), (b, 2)], [0, 0, 0, 0])
+    left.update_and_fetch(*(mx.random.normal((4, B_KV, 3, D), key=mx.random.key(i)) for i in (2, 3)))
+    right = SharedPrefixCache([(b, 1)], [0])
+    right.update_and_fetch(*(mx.random.normal((1, B_KV, 2, D), key=mx.random.key(i)) for i in (4, 5)))
+    left.extend(right)
+    assert [(kv, n) for kv, n in left.groups] == [(a, 2), (b, 3)]  # one family's parts read its prefix once
+    left.filter(mx.array([1, 4]))
+    assert [(kv, n) for kv, n in left.groups] == [(a, 1), (b, 1)]
+    assert left.offset.tolist() == [5 + 3, 4 + 2]
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch_lm(request, tmp_path_factory):
+    return load(str(write_model(tmp_path_factory.mktemp("cascade") / request.param, arch=request.param, layers=2)))
+
+
+def _families(lm):
+    tok = lm.tokenizer
+    shots = "the river and the king lived in the house by the city. " * 3
+    ctxs = [tok.encode(shots + q) for q in ("the dog", "a cat was happy", "the queen said that")]
+    ctxs += [tok.encode("once upon a time " * 6 + q) for q in ("there", "a girl and a boy ran")]
+    ctxs.append(tok.encode("water"))
+    return [GenRequest(tuple(c), max_gen_toks=3 + i % 3, until=()) for i, c in enumerate(ctxs)]
+
+
+def test_every_architecture_passes_the_self_check_and_generates_the_same_tokens(arch_lm):
+    assert cascade.usable(arch_lm, _prefill_copied)
+    reqs = _families(arch_lm)
+    store(arch_lm).clear()
+    assert generate_tokens(arch_lm, reqs, batch_size=8) == generate_tokens(arch_lm, reqs, batch_size=1, prefix_reuse=False)
+
+
+def test_a_model_whose_attention_skips_the_wrapped_function_keeps_the_copies(llama_path, monkeypatch):
+    """As a family that calls mx.fast's attention itself: the self-check sees other logits and says no."""
+    import mlx_lm.models.llama as family
+
+    lm = load(str(llama_path))
+    monkeypatch.setattr(family, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    monkeypatch.setattr(cascade, "install", lambda model: True)  # claims a wrapper that is not there
+    assert not cascade.usable(lm, _prefill_copied)
+    reqs = _families(lm)
+    store(lm).clear()
+    assert generate_tokens(lm, reqs, batch_size=8) == generate_tokens(lm, reqs, batch_size=1, prefix_reuse=False)
