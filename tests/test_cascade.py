@@ -108,3 +108,34 @@ def test_a_model_whose_attention_skips_the_wrapped_function_keeps_the_copies(lla
     reqs = _families(lm)
     store(lm).clear()
     assert generate_tokens(lm, reqs, batch_size=8) == generate_tokens(lm, reqs, batch_size=1, prefix_reuse=False)
+
+
+def test_runs_share_a_prefix_of_at_least_the_minimum_and_leave_each_row_a_token():
+    from worker.cascade import _runs
+    from worker.score import MIN_SHARED_PREFIX as M
+
+    a = tuple(range(100))
+    rows = [a + (1, 2), a[:60] + (7, 8, 9), a + (3,), tuple(range(500, 540)), a[: M + 1]]
+    # rows 0-2 share 60 tokens; rows 3 and 4 share nothing with the row before them
+    assert _runs(rows) == [(60, 3), (0, 1), (0, 1)]
+    assert _runs([a + (1,), a + (2,)]) == [(99, 2)]  # a common prefix stops one token before the shorter's last
+
+
+def test_stored_rows_read_the_family_prefix_once_and_give_the_merged_logits(llama_path):
+    """A sweep's rows, each with its own stored prompt KV: SharedPrefixCaches over the first row's prefix give the
+    logits of mlx-lm's merge of the rows' whole caches (which copies every row's prefix)."""
+    from worker.generate import _prefill_last
+    from worker.prefix_cache import merged, prefix_kv
+
+    lm = load(str(llama_path))
+    reqs = _families(lm)[:3]
+    store(lm).clear()
+    prefix_kv(lm, reqs[0].context[:30])  # the family's prefix, stored first (as generate_tokens does)
+    own = [prefix_kv(lm, r.context[:-1]) for r in reqs]
+    held = cascade.stored_rows([r.context for r in reqs], own)
+    shared = held[0].groups[0]
+    assert len(held[0].groups) == 1 and shared[1] == 3 and shared[0].offset >= 30
+    assert held[0].keys.shape[2] < min(len(r.context) for r in reqs) - 1 - 20  # only the rows' own tokens are copied
+    got = _prefill_last(lm, reqs, held)
+    want = _prefill_last(lm, reqs, merged(own))
+    assert got[1:3] == want[1:3] and mx.allclose(got[3], want[3], atol=1e-5).item()

@@ -42,12 +42,17 @@ class SharedPrefixCache(BatchKVCache):
         self.offset = self.offset + mx.array(lengths)
 
     @classmethod
+    def of(cls, cache: BatchKVCache, groups: list[Group]) -> SharedPrefixCache:
+        """`cache` (the rows' own tokens) read after `groups`' prefixes."""
+        out = cls(groups, [0] * cache.offset.shape[0])  # its offsets: the prefixes' lengths
+        keys, values, offset, out.left_padding, out._idx = cache.state
+        out.keys, out.values, out.offset = keys, values, out.offset + offset
+        return out
+
+    @classmethod
     def plain(cls, cache: BatchKVCache) -> SharedPrefixCache:
         """`cache` (rows sharing no prefix) as a one-group SharedPrefixCache, so it can join shared ones."""
-        rows = cache.offset.shape[0]
-        out = cls([(None, rows)], [0] * rows)
-        out.keys, out.values, out.offset, out.left_padding, out._idx = cache.state
-        return out
+        return cls.of(cache, [(None, cache.offset.shape[0])])
 
     def filter(self, batch_indices: mx.array) -> None:
         super().filter(batch_indices)
@@ -151,6 +156,47 @@ def prefill(lm: Any, reqs: list, prefix_kv: list, prefix: int) -> tuple[list, li
     for c in cache:
         c.finalize()
     return cache, right, prefix + W, lm.head.head(last)[:, 0, :].astype(mx.float32)
+
+
+def stored_rows(contexts: list[tuple[int, ...]], caches: list[list]) -> list[SharedPrefixCache]:
+    """Rows' own batch-1 KV caches, each of all its prompt but the last token (a sweep's configurations share
+    them: worker.prefix_cache.own_prefixes), as one SharedPrefixCache per layer: neighbours whose prompts share at
+    least MIN_SHARED_PREFIX tokens read that prefix from the first one's KV (a view, held once); only each row's
+    tokens after it are copied into the batch."""
+    from mlx_lm.models.cache import KVCache
+
+    def view(kv: Any, start: int, end: int) -> KVCache:
+        out = KVCache()
+        out.keys, out.values, out.offset = kv.keys[..., start:end, :], kv.values[..., start:end, :], end - start
+        return out
+
+    runs, out = _runs(contexts), []
+    for layer in zip(*caches):
+        groups, own, start = [], [], 0
+        for prefix, n in runs:
+            groups.append((view(layer[start], 0, prefix) if prefix else None, n))
+            own += [view(kv, prefix, len(ctx) - 1) for kv, ctx in zip(layer[start : start + n], contexts[start : start + n])]
+            start += n
+        out.append(SharedPrefixCache.of(BatchKVCache.merge(own), groups))
+    return out
+
+
+def _runs(contexts: list[tuple[int, ...]]) -> list[tuple[int, int]]:
+    """(shared prefix length or 0, rows) for consecutive rows, each run's prefix shared by all its rows and
+    leaving each of them at least one token of its own before its last."""
+    from .score import MIN_SHARED_PREFIX
+
+    runs: list[list[int]] = []  # [prefix, rows, first row's index]
+    for i, ctx in enumerate(contexts):
+        if runs:
+            prefix, n, first = runs[-1]
+            common = next((j for j, (a, b) in enumerate(zip(contexts[first], ctx)) if a != b), min(len(ctx), len(contexts[first])))
+            shared = min(prefix if n > 1 else common, common, len(ctx) - 2, len(contexts[first]) - 2)
+            if shared >= MIN_SHARED_PREFIX:
+                runs[-1][:2] = [shared, n + 1]
+                continue
+        runs.append([0, 1, i])
+    return [(prefix, n) for prefix, n, _ in runs]
 
 
 def usable(lm: Any, copied: Any) -> bool:

@@ -313,10 +313,9 @@ def _prefill_copied(lm: Any, reqs: list[GenRequest], prefix_cache: list[Any], pr
 
 
 def _prefill_last(lm: Any, reqs: list[GenRequest], cache: list[Any]) -> tuple[list[Any], list[int], int, mx.array]:
-    """Rows whose caches hold all of their prompt but the last token (left-padded): the last tokens in one
-    forward; the same return values as `_prefill`."""
-    B, P = len(reqs), cache[0]._idx + 1
-    pads = cache[0].left_padding.tolist()
+    """Rows whose caches hold all their prompt but the last token: the last tokens in one forward (as `_prefill`)."""
+    B, P = len(reqs), max(len(r.context) for r in reqs)
+    pads = [P - len(r.context) for r in reqs]  # hooks' layout: every prompt left-padded to end at P
     rows = Rows(offset=P - 1, starts=mx.array(pads), ends=mx.full((B,), P), prompt_ends=mx.full((B,), P))
     with lm.hooks.forward(rows):
         logits = _last_logits(lm, mx.array([[r.context[-1]] for r in reqs]), cache)
@@ -327,7 +326,9 @@ def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]]) -> 
     """Each part prefilled on its own (with its shared prefix, if any), then the caches joined row-wise into one
     left-padded batch (mlx-lm's BatchKVCache.extend right-aligns them); the same return values as `_prefill`."""
     if len(parts) > 1 and all(len(r) == 1 and s is not None and len(r[0].context) == p + 1 for r, s, p in parts):
-        return _prefill_last(lm, [r[0] for r, _, _ in parts], merged([s for _, s, _ in parts]))
+        rows, own = [r[0] for r, _, _ in parts], [s for _, s, _ in parts]
+        held = cascade.stored_rows([r.context for r in rows], own) if cascade.usable(lm, _prefill_copied) else merged(own)
+        return _prefill_last(lm, rows, held)
     done = [_prefill(lm, r) if shared is None else _prefill_suffixes(lm, r, shared, prefix) for r, shared, prefix in parts]
     if len(done) == 1:
         return done[0]
