@@ -110,13 +110,12 @@ def _prefix_parts(qf: mx.array, groups: list[Group], kv: int, dv: int) -> tuple[
 
 
 def _wrap(original):
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
-        if isinstance(cache, SharedPrefixCache):
-            if sinks is not None:
-                raise ValueError("attention sinks do not split over a shared prefix")
-            return cache.attend(queries, keys, values, scale, mask)
-        return original(queries, keys, values, cache, scale, mask, sinks=sinks, **kwargs) if sinks is not None else \
-            original(queries, keys, values, cache, scale, mask, **kwargs)
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
+        if not isinstance(cache, SharedPrefixCache):
+            return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
+        if args or kwargs.get("sinks") is not None:
+            raise ValueError("attention sinks do not split over a shared prefix")
+        return cache.attend(queries, keys, values, scale, mask)
 
     scaled_dot_product_attention.orchard_cascade = True
     return scaled_dot_product_attention
@@ -222,5 +221,9 @@ def _agrees(lm: Any, copied: Any) -> bool:
         kv = _prefix_cache(lm, prefix)
         if kv is None:
             return False
-        want, got = copied(lm, reqs, kv, len(prefix))[3], prefill(lm, reqs, kv, len(prefix))[3]
+        want = copied(lm, reqs, kv, len(prefix))[3]
+        try:
+            got = prefill(lm, reqs, kv, len(prefix))[3]
+        except Exception:  # noqa: BLE001  (a probe: attention the split cannot run, e.g. with sinks, keeps the copies)
+            return False
         return bool(mx.allclose(got, want, atol=AGREE, rtol=AGREE).item())
