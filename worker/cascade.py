@@ -104,9 +104,14 @@ def _prefix_parts(qf: mx.array, groups: list[Group], kv: int, dv: int) -> tuple[
         s = qh @ pk.swapaxes(-1, -2)
         m = s.max(-1, keepdims=True)
         e = mx.power(2.0, s - m)
-        back = lambda x: x.reshape(kv, n, rows, x.shape[-1]).transpose(1, 0, 2, 3).reshape(n, H, L, x.shape[-1])  # noqa: E731
-        parts.append((back(m), back(e.sum(-1, keepdims=True)), back(e @ pv)))
+        parts.append(tuple(_per_row(x, n, H, L) for x in (m, e.sum(-1, keepdims=True), e @ pv)))
     return tuple(mx.concatenate(p, axis=0) for p in zip(*parts))
+
+
+def _per_row(x: mx.array, n: int, H: int, L: int) -> mx.array:
+    """[1, kv, n * rows, w] (a family's rows stacked per KV head) back to [n, H, L, w]."""
+    kv, w = x.shape[1], x.shape[-1]
+    return x.reshape(kv, n, -1, w).transpose(1, 0, 2, 3).reshape(n, H, L, w)
 
 
 def _wrap(original):
