@@ -8,7 +8,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from worker.generate import GenRequest, generate, generate_tokens, stop_at, warp_logits
+from worker.generate import GenRequest, generate, generate_tokens
+from worker.sampling import stop_at, warp_logits
 from worker.hooks import Capture
 from worker.steer import Add
 from worker.load import load
@@ -288,7 +289,7 @@ def test_seeded_sampling_independent_of_batch(lm):
 def test_each_sampled_token_draws_with_its_own_steps_key(llama):
     """Step t of a sampled row draws argmax(warped logits + Gumbel noise from key t of the row's own seed):
     the same seed gives the same text in any batch and in any later version of the kernel."""
-    from worker.generate import _sample_keys
+    from worker.sampling import _sample_keys
 
     m = with_eos(llama, [])
     r = GenRequest(ids(m, PROMPTS[0]), max_gen_toks=6, do_sample=True, temperature=2.0, top_k=0, seed=11)
@@ -515,7 +516,7 @@ def test_long_stop_string_of_byte_tokens(llama):
 def test_sample_key_stream_is_pinned():
     """Step t of a sampled row draws with key t of split(key(seed mod 2**64), max(2, max_gen_toks)). Pinned, so a
     seed gives the same draws in later versions of the kernel; negative seeds wrap instead of failing."""
-    from worker.generate import _sample_keys
+    from worker.sampling import _sample_keys
 
     def keys(n, seed):
         return _sample_keys(GenRequest((1,), max_gen_toks=n, do_sample=True, temperature=1.0, seed=seed)).tolist()

@@ -127,6 +127,64 @@ def test_prompts_are_not_shared_when_a_block_would_not_fit_the_store(lm):
         set_budget(lm, before)
 
 
+# --- configurations alike on prompt positions decode side by side ---------------------------------------------
+
+
+def decode_steps(lm, grid, reqs, batching) -> tuple[list[list[str]], int]:
+    """The grid's texts and how many one-token forwards it ran (decode steps; last-token prefills)."""
+    steps = []
+    cascade.usable(lm, _prefill_copied)
+
+    def body(x, cache=None):
+        steps.append(x.shape[1] == 1)
+        return lm.head.body(x, cache=cache)
+
+    counted = dataclasses.replace(lm, head=dataclasses.replace(lm.head, body=body))
+    return run(counted, Job(kind="generate", grid=tuple(grid)), reqs, batching), sum(steps)
+
+
+ALIKE = [steer(0, 11, 3.0, "continuation", site="resid_pre"), steer(2, 12, 2.0, "last", "clamp", "mlp_out"),
+         steer(1, 13, 0.5, "continuation", "replace", "attn_out"), Steering(), steer(3, 14, -3.0, "continuation")]
+
+
+@pytest.mark.parametrize("rows", [None, 14])
+def test_alike_configurations_decode_side_by_side_as_their_own_runs(lm, monkeypatch, rows):
+    # Five configurations steering only continuation or last positions, at other sites, layers and ops: one decode
+    # batch holds a row per (request, configuration) (with `rows` 14, two configurations a batch: runs of 2, 2, 1).
+    # Rows end at different steps (max_gen_toks 2 to 9), a one-token prompt is prefilled whole under the rows' hooks.
+    from worker.grid import generation
+
+    if rows is not None:
+        monkeypatch.setattr(generation, "SIDE_BY_SIDE_ROWS", rows)
+    reqs = prompts(9) + [GenRequest((7,), max_gen_toks=2), GenRequest(prompts(9)[1].context, max_gen_toks=9)]
+    batching = Batching(batch_size=6)
+    got, _ = decode_steps(lm, ALIKE, reqs, batching)
+    assert got == independent(lm, ALIKE, reqs, batching)
+    assert sum(any(r[c] != r[3] for r in got) for c in (0, 1, 2, 4)) >= 3  # steering changed texts
+    family = [r for r in reqs if r.context[0] == 1]  # 7 prompts after one prefix: one block of batch size 8
+    width = generation.side_by_side_width(lm, family, 8)
+    assert width >= 5 if rows is None else width == 2
+    _, steps = decode_steps(lm, ALIKE, family, Batching(batch_size=8))
+    _, two = decode_steps(lm, ALIKE[:2], family, Batching(batch_size=8))  # side by side too (one run of 2)
+    assert steps < 1.3 * two if rows is None else steps > 2.5 * two  # one decode batch serves all five, or runs of 2, 2, 1
+
+
+def test_a_forward_of_rows_side_by_side_must_say_whose_rows_they_are(lm):
+    import mlx.core as mx
+
+    from worker.hooks import Rows
+    from worker.steer import SteeringError, side_by_side
+
+    with lm.hooks.installed(side_by_side([hooks_for(ALIKE[0], LAYERS, HIDDEN)])), pytest.raises(SteeringError, match="configurations"):
+        with lm.hooks.forward(Rows()):
+            lm.model(mx.array([[1, 2]]))
+    with lm.hooks.installed(side_by_side([[], hooks_for(steer(0, 1, 5.0, "all", site="resid_pre"), LAYERS, HIDDEN)])):
+        with lm.hooks.rows_under([0, 1]), lm.hooks.forward(Rows()):
+            out = lm.model(mx.array([[1, 2], [1, 2]]))
+    plain = lm.model(mx.array([[1, 2]]))
+    assert mx.array_equal(out[0], plain[0]).item() and not mx.allclose(out[1], plain[0]).item()  # row 1 only
+
+
 # --- configurations steering prompt positions share the blocks below their split --------------------------
 
 

@@ -17,6 +17,7 @@ fails the check and keeps the copies).
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Any
 
@@ -187,9 +188,13 @@ def stored_rows(contexts: list[tuple[int, ...]], caches: list[list]) -> list[Sha
 
 def _runs(contexts: list[tuple[int, ...]]) -> list[tuple[int, int]]:
     """(shared prefix length or 0, rows) for consecutive rows, each run's prefix shared by all its rows and
-    leaving each of them at least one token of its own before its last."""
+    leaving each of them at least one token of its own before its last. Rows that come in copies (one prompt
+    under several configurations side by side) run per prompt: all of it is shared, nothing copied per row."""
     from .score import MIN_SHARED_PREFIX
 
+    copies = [(len(ctx) - 2, len(list(same))) for ctx, same in itertools.groupby(contexts)]
+    if all(n > 1 for _, n in copies):
+        return [(prefix if prefix >= MIN_SHARED_PREFIX else 0, n) for prefix, n in copies]
     runs: list[list[int]] = []  # [prefix, rows, first row's index]
     for i, ctx in enumerate(contexts):
         if runs:

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import BatchKVCache
 from . import cascade
 from .hooks import Rows, decoder_layers
 from .prefix_cache import merged, own_prefixes, prefix_kv
+from .sampling import _check_finite, _lookback, _next_tokens, _sample_keys, _stopped, stop_at
 from .score import MAX_PADDING, MIN_ROWS, Row, _broadcast, _families
 
 
@@ -63,7 +64,11 @@ def truncate(request: GenRequest, max_length: int) -> GenRequest:
 
 def generate(lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, **reuse) -> list[str]:
     """Generated text per request (cut at the first stop string), in the order given."""
-    tokens = generate_tokens(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse, **reuse)
+    return texts(lm, generate_tokens(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse, **reuse), requests)
+
+
+def texts(lm: Any, tokens: Sequence[list[int]], requests: Sequence[GenRequest]) -> list[str]:
+    """Each request's generated ids as lm-eval returns them: decoded without special tokens, cut at the stop strings."""
     return [stop_at(lm.tokenizer.decode(t, skip_special_tokens=True), r.until) for t, r in zip(tokens, requests)]
 
 
@@ -77,6 +82,18 @@ def generate_tokens(
     `prompt_reuse` also stores each row's whole prompt but its last token (worker.prefix_cache), for a later
     call whose installed steering is the same on prompt positions (a sweep's other configurations); `compute`:
     how prefix_kv computes those (worker.grid: from the store's unsteered lower layers)."""
+    reqs, parts = prompt_parts(lm, requests, batch_size=batch_size, prefix_reuse=prefix_reuse, prompt_reuse=prompt_reuse,
+                               compute=compute)
+    return decode(lm, reqs, parts, batch_size)
+
+
+def prompt_parts(
+    lm: Any, requests: Sequence[GenRequest], *, batch_size: int = 16, prefix_reuse: bool = True, prompt_reuse: bool = False,
+    compute: Any = None,
+) -> tuple[list[GenRequest], list[tuple[Any, int, list[int]]]]:
+    """The requests truncated as lm-eval's HF backend does, and their prefills: (prefix KV or None, prefix length,
+    rows) each, the shared prefixes computed (or found in the store) under the hooks installed now; requests with
+    max_gen_toks 0 are in none."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
     reqs = []
@@ -85,12 +102,9 @@ def generate_tokens(
         if r.max_gen_toks > 0 and not r.context:
             raise ValueError(f"request {i} has an empty context: generation needs at least one prompt token")
         reqs.append(r)
-    out: list[list[int]] = [[] for _ in reqs]
-    # max_gen_toks=0 produces nothing without running the model.
-    todo = [i for i, r in enumerate(reqs) if r.max_gen_toks > 0]
-    eos = frozenset(lm.tokenizer.eos_token_ids)
+    todo = [i for i, r in enumerate(reqs) if r.max_gen_toks > 0]  # max_gen_toks=0 produces nothing, runs nothing
     loose: list[int] = []
-    parts: list[tuple[Any, int, list[int]]] = []  # (prefix KV or None, prefix length, rows) per prefill
+    parts: list[tuple[Any, int, list[int]]] = []
     for prefix, idx in _prefix_families([reqs[i].context for i in todo], prefix_reuse):
         idx = [todo[j] for j in idx]
         shared = prefix_kv(lm, reqs[idx[0]].context[:prefix], compute) if prefix else None
@@ -101,10 +115,18 @@ def generate_tokens(
             loose.extend(idx)
             continue
         parts += _cut(reqs, idx, batch_size, shared, prefix)
-    parts += _cut(reqs, loose, batch_size)
+    return reqs, parts + _cut(reqs, loose, batch_size)
+
+
+def decode(lm: Any, reqs: Sequence[GenRequest], parts: list, batch_size: int, configs: Sequence[int] | None = None) -> list[list[int]]:
+    """Generated ids per request of `prompt_parts`' parts, batch_size rows a batch. `configs`: row i runs under
+    configuration configs[i] of those whose hooks are installed side by side (worker.steer.side_by_side)."""
+    out: list[list[int]] = [[] for _ in reqs]
+    eos = frozenset(lm.tokenizer.eos_token_ids)
     for batch in _decode_batches(parts, batch_size):
         rows = [i for _, _, idx in batch for i in idx]
-        for i, ids in zip(rows, _generate_batch(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], eos)):
+        under = [configs[i] for i in rows] if configs is not None else None
+        for i, ids in zip(rows, _generate_batch(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], eos, under)):
             out[i] = ids
     return out
 
@@ -162,14 +184,6 @@ def families(requests: Sequence[GenRequest], max_length: int, reuse: bool = True
     return groups
 
 
-def stop_at(text: str, until: Sequence[str]) -> str:
-    """lm-eval's postprocess_generated_text: cut at each non-empty stop string in turn."""
-    for term in until:
-        if term:
-            text = text.split(term)[0]
-    return text
-
-
 def make_batch_cache(model: Any, left_padding: list[int]) -> list[Any]:
     """One batched cache per layer, mirroring the model's own cache kinds (full or sliding window)."""
     from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
@@ -190,73 +204,11 @@ def make_batch_cache(model: Any, left_padding: list[int]) -> list[Any]:
     return caches
 
 
-NON_FINITE = "the model's next-token scores are NaN or infinite"
-
-
 def _last_logits(lm: Any, tokens: mx.array, cache: list[Any]) -> mx.array:
     # Every row is left-padded, so its newest token is at the last position: run the LM head there only.
     h = lm.head.body(tokens, cache=cache)
     return lm.head.head(h[:, -1:, :])[:, 0, :].astype(mx.float32)
 
-
-def _check_finite(finite: mx.array) -> None:
-    """Never a token drawn from NaN/inf scores (argmax would pick token 0 and call it text)."""
-    if not finite.item():
-        raise ValueError(f"{NON_FINITE}: check the model's weights and the steering")
-
-
-def _sample_keys(r: GenRequest) -> mx.array:
-    # One key per step derived from the request's own seed alone, so the draw at step t does not depend on
-    # which other rows share the batch.
-    return mx.random.split(mx.random.key(r.seed & 0xFFFFFFFFFFFFFFFF), max(2, r.max_gen_toks))
-
-
-def warp_logits(logits: mx.array, reqs: Sequence[GenRequest]) -> mx.array:
-    """HF's warpers in HF's order: temperature, top-k, top-p (TopPLogitsWarper, keeps at least one)."""
-    neg_inf = mx.array(-float("inf"), mx.float32)
-    logits = logits / mx.array([r.temperature if not r.greedy else 1.0 for r in reqs])[:, None]
-    V = logits.shape[-1]
-    top_k = [min(r.top_k, V) if r.top_k > 0 else V for r in reqs]
-    if any(k < V for k in top_k):
-        # Remove everything below each row's k-th largest logit (ties kept, like HF).
-        desc = -mx.sort(-logits, axis=-1)
-        kth = mx.take_along_axis(desc, mx.array(top_k)[:, None] - 1, axis=-1)
-        logits = mx.where(logits < kth, neg_inf, logits)
-    top_p = mx.array([r.top_p for r in reqs], mx.float32)[:, None]
-    if any(r.top_p < 1.0 for r in reqs):
-        order = mx.argsort(logits, axis=-1)  # ascending, as HF sorts
-        sorted_logits = mx.take_along_axis(logits, order, axis=-1)
-        cum = mx.cumsum(mx.softmax(sorted_logits, axis=-1), axis=-1)
-        remove = (cum <= 1 - top_p) & (mx.arange(V)[None, :] < V - 1) & (top_p < 1.0)
-        # Scatter the sorted-order decision back to vocabulary order.
-        remove = mx.take_along_axis(remove, mx.argsort(order, axis=-1), axis=-1)
-        logits = mx.where(remove, neg_inf, logits)
-    return logits
-
-
-def _next_tokens(logits: mx.array, reqs: Sequence[GenRequest], keys: Sequence[Any], step: int) -> mx.array:
-    greedy = mx.argmax(logits, axis=-1)
-    if all(r.greedy for r in reqs):
-        return greedy
-    # Gumbel-max: argmax(logits + G) is a draw from softmax(logits); each row draws with its own key.
-    V = logits.shape[-1]
-    noise = mx.stack([mx.random.gumbel((V,), key=k[step]) if k is not None else mx.zeros((V,)) for k in keys])
-    sampled = mx.argmax(warp_logits(logits, reqs) + noise, axis=-1)
-    return mx.where(mx.array([r.greedy for r in reqs]), greedy, sampled)
-
-
-def _lookback(until: Sequence[str]) -> int:
-    # Tokens to re-decode per step: a stop string completed by the newest token lies in the last len(stop)
-    # characters, which come from at most 4 tokens each (byte tokens); the slack absorbs the window's
-    # first characters, which may decode differently on their own (half a UTF-8 char, a dropped space).
-    return 4 * max((len(t) for t in until), default=0) + 16
-
-
-def _stopped(tokenizer: Any, ids: list[int], until: Sequence[str], lookback: int) -> bool:
-    # Special tokens are kept, as in lm-eval's MultiTokenEOSCriteria, so a stop string like "<|im_end|>"
-    # ends generation even when it is not an EOS id; the returned text is decoded without them.
-    text = tokenizer.decode(ids[-lookback:], skip_special_tokens=False)
-    return any(term and term in text for term in until)
 
 
 def _prefill(lm: Any, reqs: list[GenRequest]) -> tuple[list[Any], list[int], int, mx.array]:
@@ -284,9 +236,14 @@ def shared_batch_cache(prefix_cache: list[Any], batch: int) -> list[Any]:
     return out
 
 
+def reads_one_prefix(lm: Any) -> bool:
+    """Whether `lm`'s rows read one copy of a shared prefix's KV (worker.cascade) rather than copies of it."""
+    return cascade.usable(lm, _prefill_copied)
+
+
 def _prefill_suffixes(lm: Any, reqs: list[GenRequest], prefix_cache: list[Any], prefix: int) -> tuple[list[Any], list[int], int, mx.array]:
     """A family's suffixes on one copy of the prefix KV (worker.cascade) where the model allows, else copied."""
-    if cascade.usable(lm, _prefill_copied):
+    if reads_one_prefix(lm):
         return cascade.prefill(lm, reqs, prefix_cache, prefix)
     return _prefill_copied(lm, reqs, prefix_cache, prefix)
 
@@ -322,14 +279,19 @@ def _prefill_last(lm: Any, reqs: list[GenRequest], cache: list[Any]) -> tuple[li
     return cache, pads, P, logits
 
 
-def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]]) -> tuple[list[Any], list[int], int, mx.array]:
+def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], configs: list[int] | None) -> tuple[list[Any], list[int], int, mx.array]:
     """Each part prefilled on its own (with its shared prefix, if any), then the caches joined row-wise into one
     left-padded batch (mlx-lm's BatchKVCache.extend right-aligns them); the same return values as `_prefill`."""
     if len(parts) > 1 and all(len(r) == 1 and s is not None and len(r[0].context) == p + 1 for r, s, p in parts):
         rows, own = [r[0] for r, _, _ in parts], [s for _, s, _ in parts]
-        held = cascade.stored_rows([r.context for r in rows], own) if cascade.usable(lm, _prefill_copied) else merged(own)
-        return _prefill_last(lm, rows, held)
-    done = [_prefill(lm, r) if shared is None else _prefill_suffixes(lm, r, shared, prefix) for r, shared, prefix in parts]
+        held = cascade.stored_rows([r.context for r in rows], own) if reads_one_prefix(lm) else merged(own)
+        with lm.hooks.rows_under(configs):
+            return _prefill_last(lm, rows, held)
+    done, start = [], 0
+    for r, shared, prefix in parts:
+        with lm.hooks.rows_under(configs[start : start + len(r)] if configs is not None else None):
+            done.append(_prefill(lm, r) if shared is None else _prefill_suffixes(lm, r, shared, prefix))
+        start += len(r)
     if len(done) == 1:
         return done[0]
     cache = done[0][0]
@@ -344,11 +306,12 @@ def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]]) -> 
     return cache, [pos - len(r.context) for rs, _, _ in parts for r in rs], pos, mx.concatenate([d[3] for d in done])
 
 
-def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos: frozenset[int]) -> list[list[int]]:
-    """Generated ids for the rows of `parts` ((requests, prefix KV or None, prefix length) each), in order."""
+def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos: frozenset[int], configs: list[int] | None = None) -> list[list[int]]:
+    """Generated ids for the rows of `parts` ((requests, prefix KV or None, prefix length) each), in order;
+    `configs`: each row's configuration among those installed side by side."""
     reqs = [r for rs, _, _ in parts for r in rs]
     B = len(reqs)
-    cache, pads, pos, logits = _merged_prefill(lm, parts)
+    cache, pads, pos, logits = _merged_prefill(lm, parts, configs)
     prompt_end = pos
     keys = [None if r.greedy else _sample_keys(r) for r in reqs]
     lookbacks = [_lookback(r.until) for r in reqs]
@@ -391,7 +354,7 @@ def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos
         rows = Rows(
             offset=pos, starts=mx.array(pads), ends=mx.full((n,), pos + 1), prompt_ends=mx.full((n,), prompt_end)
         )
-        with lm.hooks.forward(rows):
+        with lm.hooks.rows_under([configs[b] for b in live] if configs is not None else None), lm.hooks.forward(rows):
             logits = _last_logits(lm, y[:, None], cache)
         pos += 1
         sub = [reqs[b] for b in live]

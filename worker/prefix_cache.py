@@ -213,11 +213,17 @@ def prompt_sharers(lm: Any, installs: Sequence[list], contexts: Sequence[tuple] 
     not fit in it at once (sharing would then evict each prompt before the next configuration reads it)."""
     if not fits(lm, contexts, block):
         return [False] * len(installs)
+    prints = prompt_prints(lm, installs)
+    return [f is not None and prints.count(f) > 1 for f in prints]
+
+
+def prompt_prints(lm: Any, installs: Sequence[list]) -> list[str | None]:
+    """Per configuration (its hooks), the fingerprint of what it does on prompt positions (None: not known ops)."""
     prints = []
     for install in installs:
         with lm.hooks.installed(install):
             prints.append(fingerprint(lm.hooks))
-    return [f is not None and prints.count(f) > 1 for f in prints]
+    return prints
 
 
 def blocks(groups: Sequence[list[int]], size: int) -> list[list[int]]:

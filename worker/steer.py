@@ -23,7 +23,7 @@ norm at the positions it steers, or α·v is not finite in the residual's dtype,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -33,7 +33,7 @@ from .hooks import POSITIONS, Capture, Hook, HookContext, Rows
 from .load import model_shape
 from .spec import HEAD_SITES, Steering, SteeringError, head_shape
 
-__all__ = ["OPS", "Ablate", "Add", "Clamp", "OnHead", "Replace", "SteeringError", "hidden_size", "hooks_for", "steered"]
+__all__ = ["OPS", "Ablate", "Add", "Clamp", "OnHead", "OnRows", "Replace", "SteeringError", "hidden_size", "hooks_for", "side_by_side", "steered"]
 
 # ‖α·v‖ over this many times the residual norm swamps the stream: what differs between inputs is under a tenth
 # of what the next block's norm layer sees. Measured on TinyStories-260K (add at layer 3, a random unit direction,
@@ -183,6 +183,28 @@ class OnHead:
 
     def __repr__(self) -> str:
         return f"OnHead({self.op!r}, head={self.head})"
+
+
+class OnRows:
+    """`hook` on the rows that run under configuration `config` (Rows.configs), every other row untouched: the
+    hooks of several configurations installed at once, for rows of each decoding side by side in one batch."""
+
+    def __init__(self, hook: Hook, config: int) -> None:
+        self.hook, self.config = hook, config
+        self.positions = getattr(hook, "positions", "all")
+
+    def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
+        if ctx.rows.configs is None:
+            raise SteeringError(f"{ctx.name}: a forward of rows side by side without their configurations (Rows.configs)")
+        return mx.where((ctx.rows.configs == self.config)[:, None, None], self.hook(x, ctx), x)
+
+    def __repr__(self) -> str:
+        return f"OnRows({self.hook!r}, config={self.config})"
+
+
+def side_by_side(installs: Sequence[Sequence[tuple[str, Hook]]]) -> list[tuple[str, Hook]]:
+    """Configuration k's (hook point, hook) pairs for the rows under k, for every k at once (each one's order kept)."""
+    return [(point, OnRows(hook, k)) for k, install in enumerate(installs) for point, hook in install]
 
 
 def hooks_for(steering: Steering | None, n_layers: int, hidden: int, look: bool = False,

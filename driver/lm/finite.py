@@ -37,8 +37,8 @@ def check_scores(requests: Sequence[Any], scores: Sequence[Any], steering: Any =
 
 @contextlib.contextmanager
 def finite_generation(requests: Sequence[Any], steering: Any = None):
-    """A worker's refusal to generate from NaN/inf scores (worker.generate.NON_FINITE) as one line naming the task."""
-    from worker.generate import NON_FINITE
+    """A worker's refusal to generate from NaN/inf scores (worker.sampling.NON_FINITE) as one line naming the task."""
+    from worker.sampling import NON_FINITE
 
     try:
         yield

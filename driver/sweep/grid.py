@@ -2,14 +2,14 @@
 
 Such a configuration does not fail the sweep: its log-likelihoods come back as they are (recorded as failed
 cells), and it is left out of generation, whose kernel refuses NaN/inf next-token scores
-(worker.generate.NON_FINITE); should a configuration fail only while generating, the configurations are generated
+(worker.sampling.NON_FINITE); should a configuration fail only while generating, the configurations are generated
 one at a time to find it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.generate import NON_FINITE as GEN_NON_FINITE
+from worker.sampling import NON_FINITE as GEN_NON_FINITE
 
 from driver.sweep.rows import NON_FINITE, finite
 

@@ -16,13 +16,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..generate import GenRequest, families, generate, truncate
+from ..generate import GenRequest, decode, families, generate, prompt_parts, reads_one_prefix, texts, truncate
 from ..hooks import Rows
 from ..load import LoadedModel
-from ..prefix_cache import blocks, fingerprint, fits, prompt_sharers, store
+from ..prefix_cache import blocks, fingerprint, fits, prompt_prints, prompt_sharers, store
 from ..spec import Batching, Steering
+from ..steer import side_by_side
 from .passes import _advance, _eval_caches, _installs, _kv_cache, _split_of, _upper_body, shares_lower, unhooked
 
+SIDE_BY_SIDE_ROWS = 256  # rows of a grid's decode batch at most (their logits: rows x vocabulary floats)
 LOWER = "lower@{}"  # the store's key for split s's unsteered entries (no hooks' fingerprint has this form)
 
 
@@ -30,27 +32,82 @@ def grid_generate(
     lm: LoadedModel, steerings: Sequence[Steering], requests: Sequence[GenRequest], batching: Batching | None = None
 ) -> list[list[str]]:
     """Texts per request per configuration ([request][configuration]), each a steered run. Configurations that
-    share prompt KV (whole, or below their split) go block by block of requests; the others run on their own."""
+    share prompt KV (whole, or below their split) go block by block of requests; the others run on their own.
+    Configurations alike on every prompt position decode side by side, a row per (request, configuration)."""
     batching = batching or Batching()
     installs = _installs(lm, steerings)
     contexts = [r.context for r in requests]
     sharers = prompt_sharers(lm, installs, contexts, batching.batch_size)
     splits = staged_splits(lm, installs, sharers, contexts, batching.batch_size)
+    prints = [f if share else None for f, share in zip(prompt_prints(lm, installs), sharers)]
     results: list[list[Any]] = [[None] * len(installs) for _ in requests]
     alone = [c for c in range(len(installs)) if not sharers[c] and not splits[c]]
     together = sorted((c for c in range(len(installs)) if sharers[c] or splits[c]), key=lambda c: splits[c])
     groups = families(requests, lm.max_length, batching.prefix_reuse) if together else []
     for configs, idx in [(alone, list(range(len(requests))))] + [(together, b) for b in blocks(groups, batching.batch_size)]:
-        for c in configs:
-            with lm.hooks.installed(installs[c]):
-                texts = generate(lm, [requests[i] for i in idx], batch_size=batching.batch_size,
-                                 prefix_reuse=batching.prefix_reuse, prompt_reuse=configs is together,
-                                 compute=staged_kv(splits[c]) if splits[c] else None)
-                if splits[c]:  # its rows' own prompt KV serves no other configuration: room for theirs
-                    store(lm).drop(fingerprint(lm.hooks), [truncate(requests[i], lm.max_length).context[:-1] for i in idx])
-            for i, text in zip(idx, texts):
-                results[i][c] = text
+        block = [requests[i] for i in idx]
+        width = side_by_side_width(lm, block, batching.batch_size) if configs is together else 1
+        for chunk in _chunks(configs, prints, width):
+            if len(chunk) > 1:
+                done = _side_by_side(lm, [installs[c] for c in chunk], block, batching)
+            else:
+                done = [[t] for t in _one(lm, installs[chunk[0]], splits[chunk[0]], block, batching, configs is together)]
+            for i, row in zip(idx, done):
+                for c, text in zip(chunk, row):
+                    results[i][c] = text
     return results
+
+
+def _one(lm: LoadedModel, install: list, split: int, reqs: list[GenRequest], batching: Batching, reuse: bool) -> list[str]:
+    """One configuration's texts; `reuse`: its prompts' KV stored for (or read from) the others."""
+    with lm.hooks.installed(install):
+        texts = generate(lm, reqs, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse, prompt_reuse=reuse,
+                         compute=staged_kv(split) if split else None)
+        if split:  # its rows' own prompt KV serves no other configuration: room for theirs
+            store(lm).drop(fingerprint(lm.hooks), [truncate(r, lm.max_length).context[:-1] for r in reqs])
+    return texts
+
+
+def _chunks(configs: Sequence[int], prints: Sequence[str | None], width: int) -> list[list[int]]:
+    """The configurations in runs: those with one prompt fingerprint together, `width` at most; the rest one each."""
+    out: list[list[int]] = []
+    for c in configs:
+        home = next((o for o in out if prints[c] is not None and prints[o[0]] == prints[c] and len(o) < width), None)
+        if home is None:
+            out.append([c])
+        else:
+            home.append(c)
+    return out
+
+
+def side_by_side_width(lm: LoadedModel, reqs: Sequence[GenRequest], batch_size: int) -> int:
+    """How many configurations alike on prompt positions decode side by side on `reqs`: each row holds only its
+    own tokens' KV (the prompt's is read from the store, once per prompt: worker.cascade), so as many as keep a
+    decode batch's KV within one plain batch's (batch_size whole prompts and their generations), and its
+    logits within SIDE_BY_SIDE_ROWS rows. 1 where the model must copy prompt KV into every row."""
+    live = [truncate(r, lm.max_length) for r in reqs if r.max_gen_toks > 0]
+    if len(live) == 0 or not reads_one_prefix(lm):
+        return 1
+    prompts, gen = min(len(live), batch_size), max(r.max_gen_toks for r in live)
+    plain = prompts * (max(len(r.context) for r in live) + gen)
+    return max(1, min(plain // (prompts * (gen + 2)), SIDE_BY_SIDE_ROWS // prompts))
+
+
+def _side_by_side(lm: LoadedModel, installs: Sequence[list], reqs: list[GenRequest], batching: Batching) -> list[list[str]]:
+    """Texts [request][k] of configurations alike on prompt positions (installs[k]) decoded in one batch: each
+    prompt's KV is computed (or found in the store) once, under installs[0] (the same as under each), and every
+    (request, configuration) is a row, its hooks those of its configuration (worker.steer.side_by_side)."""
+    k = len(installs)
+    with lm.hooks.installed(installs[0]):
+        cut, parts = prompt_parts(lm, reqs, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse, prompt_reuse=True)
+    wide = []  # row i * k + j: request i under configuration j (a prompt's rows next to each other: worker.cascade._runs)
+    for kv, prefix, idx in parts:
+        rows = [[i * k + j for i in idx for j in range(k)]] if len(idx) > 1 else [[idx[0] * k + j] for j in range(k)]
+        wide += [(kv, prefix, r) for r in rows]
+    with lm.hooks.installed(side_by_side(installs)):
+        tokens = decode(lm, [r for r in cut for _ in range(k)], wide, batching.batch_size * k, [j for _ in cut for j in range(k)])
+    flat = texts(lm, tokens, [r for r in reqs for _ in range(k)])
+    return [flat[i * k : (i + 1) * k] for i in range(len(reqs))]
 
 
 def staged_splits(

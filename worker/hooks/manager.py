@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -24,12 +24,15 @@ class Rows:
     starts: first real index per row (left padding); None means 0.
     ends: one past the last real index per row; None means every position of the forward is real.
     prompt_ends: one past the last prompt index per row; None means the whole row is prompt.
+    configs: which of the configurations decoding side by side each row runs under (worker.steer.OnRows);
+        None when one configuration's hooks act on every row.
     """
 
     offset: int = 0
     starts: mx.array | None = None
     ends: mx.array | None = None
     prompt_ends: mx.array | None = None
+    configs: mx.array | None = None
 
     def mask(self, positions: str, batch: int, length: int) -> mx.array:
         """Boolean [B, S] mask of the forward's positions selected by `positions`."""
@@ -85,6 +88,7 @@ class HookManager:
         # (so every rank of a group agrees on what is installed) but never run here, so only these can be idle.
         self.owned = range(n_layers)
         self.group: Any = None  # the mx.distributed ring of a split model: idle hooks are counted across it
+        self.row_configs: mx.array | None = None  # set by `rows_under` for the forwards inside it
 
     def check_name(self, name: str) -> None:
         point, _, layer = name.rpartition(".")
@@ -123,12 +127,25 @@ class HookManager:
 
     @contextlib.contextmanager
     def forward(self, rows: Rows) -> Iterator[None]:
+        if rows.configs is None and self.row_configs is not None:
+            rows = replace(rows, configs=self.row_configs)
         previous, self.rows = self.rows, rows
         self._forwards += 1
         try:
             yield
         finally:
             self.rows = previous
+
+    @contextlib.contextmanager
+    def rows_under(self, configs: Sequence[int] | None) -> Iterator[None]:
+        """Forwards inside run row b under configuration configs[b] (Rows.configs); None: no change. Kernels
+        that batch rows of several configurations set it around each forward, so the Rows they build need not."""
+        previous = self.row_configs
+        self.row_configs = mx.array(list(configs)) if configs is not None else previous
+        try:
+            yield
+        finally:
+            self.row_configs = previous
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
