@@ -139,3 +139,31 @@ def test_stored_rows_read_the_family_prefix_once_and_give_the_merged_logits(llam
     got = _prefill_last(lm, reqs, held)
     want = _prefill_last(lm, reqs, merged(own))
     assert got[1:3] == want[1:3] and mx.allclose(got[3], want[3], atol=1e-5).item()
+
+
+def test_copies_of_prompts_read_each_prompt_once_and_give_the_merged_logits(llama_path):
+    """Configurations side by side: every prompt in 2-3 consecutive copies. The family's prefix is one group, each
+    prompt's tokens after it an inner group read by its copies, each row holds one token; the logits equal the
+    merge of the rows' whole caches, before and after a filter that drops one copy and a whole prompt."""
+    from worker.generate import _last_logits, _prefill_last
+    from worker.prefix_cache import merged, prefix_kv
+
+    lm = load(str(llama_path))
+    reqs = _families(lm)[:3]
+    store(lm).clear()
+    prefix_kv(lm, reqs[0].context[:30])
+    rows = [reqs[0]] * 2 + [reqs[1]] * 3 + [reqs[2]] * 2
+    own = [prefix_kv(lm, r.context[:-1]) for r in rows]
+    held = cascade.stored_rows([r.context for r in rows], own)
+    assert [n for _, n in held[0].levels[0]] == [7] and [n for _, n in held[0].levels[1]] == [2, 3, 2]
+    assert held[0].keys.shape[2] == 1  # the token before each row's last; the rest is read from the groups
+    copied = merged(own)
+    got, want = _prefill_last(lm, rows, held), _prefill_last(lm, rows, copied)
+    assert got[1:3] == want[1:3] and mx.allclose(got[3], want[3], atol=1e-5).item()
+    keep = mx.array([0, 2, 3])  # the first prompt's first copy, two of the second's; the third prompt goes
+    for cache in (held, copied):
+        for c in cache:
+            c.filter(keep)
+    assert [n for _, n in held[0].levels[1]] == [1, 2]
+    step = mx.array([[5], [6], [7]])
+    assert mx.allclose(_last_logits(lm, step, held), _last_logits(lm, step, copied), atol=1e-5).item()

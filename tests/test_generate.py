@@ -641,3 +641,20 @@ def test_unsupported_cache_kinds_are_refused():
     for bad in (RotatingKVCache(max_size=8, keep=4), ArraysCache(2)):  # a kept prefix; a recurrent state
         with pytest.raises(ValueError, match="supports KV and sliding-window caches only"):
             make_batch_cache(Stub([KVCache(), bad]), [0, 1])
+
+
+def test_only_logits_that_are_not_finite_are_refused():
+    # The step's flag is the logits' sum (one pass): a sum that overflows from finite logits is re-checked exactly.
+    import mlx.core as mx
+
+    from worker.sampling import NON_FINITE, _check_finite, finite_flag
+
+    big = mx.full((2, 8), 3e38)
+    assert not finite_flag(big).item()
+    _check_finite(finite_flag(big), big)  # finite logits: not refused
+    _check_finite(finite_flag(mx.zeros((2, 8))), mx.zeros((2, 8)))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = mx.zeros((2, 8))
+        x[1, 3] = bad
+        with pytest.raises(ValueError, match=NON_FINITE):
+            _check_finite(finite_flag(x), x)

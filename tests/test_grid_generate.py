@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from worker import cascade
-from worker.generate import GenRequest, _prefill_copied
+from worker.generate import GenRequest, _prefill_copied, generate_tokens
 from worker.grid import grid_generate, shares_lower
 from worker.grid.generation import LOWER, staged_splits
 from worker.hooks import decoder_layers
@@ -158,8 +158,11 @@ def test_alike_configurations_decode_side_by_side_as_their_own_runs(lm, monkeypa
         monkeypatch.setattr(generation, "SIDE_BY_SIDE_ROWS", rows)
     reqs = prompts(9) + [GenRequest((7,), max_gen_toks=2), GenRequest(prompts(9)[1].context, max_gen_toks=9)]
     batching = Batching(batch_size=6)
+    ids = generate_tokens(lm, reqs[-1:])[0]  # the unsteered row stops at its third token's text, the others run on
+    reqs[-1] = dataclasses.replace(reqs[-1], until=(lm.tokenizer.decode(ids[2:3]),))
     got, _ = decode_steps(lm, ALIKE, reqs, batching)
     assert got == independent(lm, ALIKE, reqs, batching)
+    assert len(got[-1][3]) < min(len(got[-1][c]) for c in (0, 1, 2, 4))  # the unsteered row left its batch early
     assert sum(any(r[c] != r[3] for r in got) for c in (0, 1, 2, 4)) >= 3  # steering changed texts
     family = [r for r in reqs if r.context[0] == 1]  # 7 prompts after one prefix: one block of batch size 8
     width = generation.side_by_side_width(lm, family, 8)

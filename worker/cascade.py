@@ -34,18 +34,24 @@ LOG2E = 1.4426950408889634  # scores are taken in base 2 (log2(e) folded into th
 
 class SharedPrefixCache(BatchKVCache):
     """One layer's batch cache: rows in family groups (contiguous, in batch order), each group's prefix KV held
-    once, each row's own tokens left-padded as in BatchKVCache. `offset` (the RoPE position) counts the prefix."""
+    once, each row's own tokens left-padded as in BatchKVCache. `offset` (the RoPE position) counts the prefix.
+    `inner` groups (optional) partition the same rows more finely and continue their family's prefix: rows that
+    are copies of one prompt (under configurations side by side) read its tokens after the family's prefix once."""
 
-    def __init__(self, groups: list[Group], left_padding: list[int]):
+    def __init__(self, groups: list[Group], left_padding: list[int], inner: list[Group] | None = None):
         super().__init__(left_padding)
-        self.groups = list(groups)
-        lengths = [0 if kv is None else kv.offset for kv, n in self.groups for _ in range(n)]
+        self.levels = [list(groups)] + ([list(inner)] if inner else [])
+        lengths = [sum(0 if kv is None else kv.offset for kv in row) for row in zip(*map(_rows_of, self.levels))]
         self.offset = self.offset + mx.array(lengths)
 
+    @property
+    def groups(self) -> list[Group]:
+        return self.levels[0]
+
     @classmethod
-    def of(cls, cache: BatchKVCache, groups: list[Group]) -> SharedPrefixCache:
-        """`cache` (the rows' own tokens) read after `groups`' prefixes."""
-        out = cls(groups, [0] * cache.offset.shape[0])  # its offsets: the prefixes' lengths
+    def of(cls, cache: BatchKVCache, groups: list[Group], inner: list[Group] | None = None) -> SharedPrefixCache:
+        """`cache` (the rows' own tokens) read after `groups`' prefixes (and `inner`'s)."""
+        out = cls(groups, [0] * cache.offset.shape[0], inner)  # its offsets: the prefixes' lengths
         keys, values, offset, out.left_padding, out._idx = cache.state
         out.keys, out.values, out.offset = keys, values, out.offset + offset
         return out
@@ -57,23 +63,22 @@ class SharedPrefixCache(BatchKVCache):
 
     def filter(self, batch_indices: mx.array) -> None:
         super().filter(batch_indices)
-        kept, start, groups = batch_indices.tolist(), 0, []
-        for kv, n in self.groups:
-            rows = sum(start <= i < start + n for i in kept)
-            if rows:
-                groups.append((kv, rows))
-            start += n
-        self.groups = groups
+        kept = batch_indices.tolist()
+        self.levels = [_kept(level, kept) for level in self.levels]
 
     def extend(self, other: BatchKVCache) -> None:
         other = other if isinstance(other, SharedPrefixCache) else SharedPrefixCache.plain(other)
         super().extend(other)
-        for kv, n in other.groups:  # parts of one family join into one group: its prefix is read once
-            last = self.groups[-1]
-            self.groups[-1:] = [(kv, last[1] + n)] if last[0] is kv else [last, (kv, n)]
+        depth = max(len(self.levels), len(other.levels))
+        mine, theirs = _padded(self.levels, depth), _padded(other.levels, depth)
+        for level, more in zip(mine, theirs):
+            for kv, n in more:  # parts of one family join into one group: its prefix is read once
+                last = level[-1]
+                level[-1:] = [(kv, last[1] + n)] if last[0] is kv else [last, (kv, n)]
+        self.levels = mine
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
-        """softmax([prefix ; own] keys) @ values for queries q [B, H, L, d]; k, v: the rows' own [B, kv, S, d]."""
+        """softmax([prefixes ; own] keys) @ values for queries q [B, H, L, d]; k, v: the rows' own [B, kv, S, d]."""
         B, H, L, d = q.shape
         kv = k.shape[1]
         qf = q.astype(mx.float32) * (scale * LOG2E)
@@ -83,10 +88,35 @@ class SharedPrefixCache(BatchKVCache):
         m_own = s.max(-1, keepdims=True)
         e = mx.power(2.0, s - m_own)
         own = (e.reshape(B, kv, (H // kv) * L, -1) @ v.astype(mx.float32)).reshape(B, H, L, -1)
-        m_pre, l_pre, o_pre = _prefix_parts(qf, self.groups, kv, own.shape[-1])
-        m = mx.maximum(m_pre, m_own)
-        a, b = mx.power(2.0, m_pre - m), mx.power(2.0, m_own - m)
-        return ((o_pre * a + own * b) / (l_pre * a + e.sum(-1, keepdims=True) * b)).astype(q.dtype)
+        parts = [_prefix_parts(qf, level, kv, own.shape[-1]) for level in self.levels] + [(m_own, e.sum(-1, keepdims=True), own)]
+        m = parts[0][0]
+        for part in parts[1:]:
+            m = mx.maximum(m, part[0])
+        weights = [mx.power(2.0, part[0] - m) for part in parts]
+        top = sum(o * w for (_, _, o), w in zip(parts, weights))
+        return (top / sum(sums * w for (_, sums, _), w in zip(parts, weights))).astype(q.dtype)
+
+
+def _rows_of(level: list[Group]) -> list[Any]:
+    """A level's prefix KV per row."""
+    return [kv for kv, n in level for _ in range(n)]
+
+
+def _kept(level: list[Group], kept: list[int]) -> list[Group]:
+    """The level's groups after a filter keeping batch rows `kept` (in order); emptied groups go."""
+    start, out = 0, []
+    for kv, n in level:
+        rows = sum(start <= i < start + n for i in kept)
+        if rows:
+            out.append((kv, rows))
+        start += n
+    return out
+
+
+def _padded(levels: list[list[Group]], depth: int) -> list[list[Group]]:
+    """Fresh lists of the levels, and levels of no prefix below them down to `depth`."""
+    rows = sum(n for _, n in levels[0])
+    return [list(level) for level in levels] + [[(None, rows)] for _ in range(depth - len(levels))]
 
 
 def _prefix_parts(qf: mx.array, groups: list[Group], kv: int, dv: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -167,34 +197,53 @@ def stored_rows(contexts: list[tuple[int, ...]], caches: list[list]) -> list[Sha
     """Rows' own batch-1 KV caches, each of all its prompt but the last token (a sweep's configurations share
     them: worker.prefix_cache.own_prefixes), as one SharedPrefixCache per layer: neighbours whose prompts share at
     least MIN_SHARED_PREFIX tokens read that prefix from the first one's KV (a view, held once); only each row's
-    tokens after it are copied into the batch."""
+    tokens after it are copied into the batch. Consecutive copies of one prompt (configurations side by side)
+    also read its tokens after that prefix once (an inner level), and keep only the token before the last."""
+    copies = [(ctx, len(list(same))) for ctx, same in itertools.groupby(contexts)]
+    if all(n == 1 for _, n in copies):
+        return [SharedPrefixCache.of(*_layer(layer, contexts, _runs(contexts))) for layer in zip(*caches)]
+    return [SharedPrefixCache.of(*_layer_of_copies(layer, copies)) for layer in zip(*caches)]
+
+
+def _view(kv: Any, start: int, end: int) -> Any:
+    """Positions start..end-1 of a batch-1 KV cache, as a KVCache (no copy)."""
     from mlx_lm.models.cache import KVCache
 
-    def view(kv: Any, start: int, end: int) -> KVCache:
-        out = KVCache()
-        out.keys, out.values, out.offset = kv.keys[..., start:end, :], kv.values[..., start:end, :], end - start
-        return out
-
-    runs, out = _runs(contexts), []
-    for layer in zip(*caches):
-        groups, own, start = [], [], 0
-        for prefix, n in runs:
-            groups.append((view(layer[start], 0, prefix) if prefix else None, n))
-            own += [view(kv, prefix, len(ctx) - 1) for kv, ctx in zip(layer[start : start + n], contexts[start : start + n])]
-            start += n
-        out.append(SharedPrefixCache.of(BatchKVCache.merge(own), groups))
+    out = KVCache()
+    out.keys, out.values, out.offset = kv.keys[..., start:end, :], kv.values[..., start:end, :], end - start
     return out
+
+
+def _layer(layer: tuple, contexts: list[tuple[int, ...]], runs: list[tuple[int, int]]) -> tuple[BatchKVCache, list[Group]]:
+    """One layer's rows (their own tokens after their run's prefix, copied) and the runs' prefixes (views)."""
+    groups, own, start = [], [], 0
+    for prefix, n in runs:
+        groups.append((_view(layer[start], 0, prefix) if prefix else None, n))
+        own += [_view(kv, prefix, len(ctx) - 1) for kv, ctx in zip(layer[start : start + n], contexts[start : start + n])]
+        start += n
+    return BatchKVCache.merge(own), groups
+
+
+def _layer_of_copies(layer: tuple, copies: list[tuple[tuple[int, ...], int]]) -> tuple[BatchKVCache, list[Group], list[Group]]:
+    """`_layer` for prompts in consecutive copies: the runs over the distinct prompts, then per prompt its tokens
+    after its run's prefix up to the token before its last (read by its copies), then that token per row."""
+    firsts = list(itertools.accumulate([0] + [n for _, n in copies]))
+    groups, inner, own, at = [], [], [], 0
+    for prefix, n in _runs([ctx for ctx, _ in copies]):
+        groups.append((_view(layer[firsts[at]], 0, prefix) if prefix else None, firsts[at + n] - firsts[at]))
+        for (ctx, k), first in zip(copies[at : at + n], firsts[at : at + n]):
+            end = len(ctx) - 2
+            inner.append((_view(layer[first], prefix, end) if end > prefix else None, k))
+            own += [_view(layer[first + j], end, end + 1) for j in range(k)]
+        at += n
+    return BatchKVCache.merge(own), groups, inner
 
 
 def _runs(contexts: list[tuple[int, ...]]) -> list[tuple[int, int]]:
     """(shared prefix length or 0, rows) for consecutive rows, each run's prefix shared by all its rows and
-    leaving each of them at least one token of its own before its last. Rows that come in copies (one prompt
-    under several configurations side by side) run per prompt: all of it is shared, nothing copied per row."""
+    leaving each of them at least one token of its own before its last."""
     from .score import MIN_SHARED_PREFIX
 
-    copies = [(len(ctx) - 2, len(list(same))) for ctx, same in itertools.groupby(contexts)]
-    if all(n > 1 for _, n in copies):
-        return [(prefix if prefix >= MIN_SHARED_PREFIX else 0, n) for prefix, n in copies]
     runs: list[list[int]] = []  # [prefix, rows, first row's index]
     for i, ctx in enumerate(contexts):
         if runs:

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import BatchKVCache
 from . import cascade
 from .hooks import Rows, decoder_layers
 from .prefix_cache import merged, own_prefixes, prefix_kv
-from .sampling import _check_finite, _lookback, _next_tokens, _sample_keys, _stopped, stop_at
+from .sampling import _check_finite, _lookback, _next_tokens, _sample_keys, _stopped, finite_flag, stop_at
 from .score import MAX_PADDING, MIN_ROWS, Row, _broadcast, _families
 
 
@@ -315,14 +315,14 @@ def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos
     prompt_end = pos
     keys = [None if r.greedy else _sample_keys(r) for r in reqs]
     lookbacks = [_lookback(r.until) for r in reqs]
-    y, finite = _next_tokens(logits, reqs, keys, 0), mx.isfinite(logits).all()
+    y, finite = _next_tokens(logits, reqs, keys, 0), finite_flag(logits)
 
     live = list(range(B))  # batch rows still generating, in cache order
     generated: list[list[int]] = [[] for _ in range(B)]
     step = 0
     while True:
         mx.eval(y, finite, [c.state for c in cache])  # the step's one host sync
-        _check_finite(finite)
+        _check_finite(finite, logits)
         keep = []
         for j, (b, tok) in enumerate(zip(live, y.tolist())):
             r = reqs[b]
@@ -358,6 +358,6 @@ def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos
             logits = _last_logits(lm, y[:, None], cache)
         pos += 1
         sub = [reqs[b] for b in live]
-        y, finite = _next_tokens(logits, sub, [keys[b] for b in live], step), mx.isfinite(logits).all()
+        y, finite = _next_tokens(logits, sub, [keys[b] for b in live], step), finite_flag(logits)
 
     return generated
