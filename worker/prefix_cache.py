@@ -13,8 +13,8 @@ MIN_SHARED_PREFIX tokens); the rest of the wanted prefix runs on a copy of it, a
 Entries leave in least-recently-used order once the stored KV bytes pass the budget.
 
 Sweeps (worker.grid.grid_generate) also store each row's whole prompt but its last token when several
-configurations have the same fingerprint (`prompt_sharers`): the first computes it, the others only run the
-last token (merged into one left-padded batch: `merged`) and decode.
+configurations have the same fingerprint (`prompt_sharers`): it is computed once, and every configuration's rows
+run only the last token and decode (worker.grid.generation: side by side, in one batch).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ so the unsteered blocks up to the highest split run once and each configuration 
 shared few-shot prefix (worker.score's families) is split the same way: its unsteered layers' KV caches are
 computed once, each configuration's upper layers' caches once per configuration (under its steering, as an
 independent steered run computes them). Generation (`generation`) shares prompts the same way through the
-prefix store: configurations alike on prompt positions share each whole prompt's KV, the others of one split
-its unsteered lower layers' KV and the state entering block s.
+prefix store: configurations alike on prompt positions share each whole prompt's KV (and decode side by side,
+a row per request and configuration), the others of one split its unsteered lower layers' KV and the state
+entering block s.
 
 The mechanism is generic over mlx-lm models because it touches only the decoder blocks, the way
 worker.hooks does: for the duration of one forward a block's class is swapped for a subclass whose

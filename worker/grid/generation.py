@@ -1,12 +1,16 @@
 """Generation grids: configurations share what their prompts' KV has in common, through the prefix store.
 
 Configurations alike on every prompt position (prefix_cache.prompt_sharers: steering only `continuation` or
-`last`, or none) share each prompt's whole KV (all but its last token). The others, steering prompt positions
-from block s up (their split), share the prompt's unsteered lower part: blocks 0..s-1's KV and the state entering
-block s, stored once per prompt under the split's own key (LOWER) by the first configuration of that split;
-each configuration then runs only blocks s.. on the prompt, from that state under its hooks (the upper pass of
-worker.grid.passes), and decodes. Requests go block by block (families kept whole), every configuration on a
-block before the next, so the block's stored prompts stay in the store meanwhile.
+`last`, or none) share each prompt's whole KV (all but its last token), and decode side by side: one batch holds
+a row per (request, configuration), each configuration's hooks acting on its own rows only (worker.steer.OnRows,
+Rows.configs), so a decode step serves them all; each prompt's KV is read once per step by its copies
+(worker.cascade's inner level). How many go side by side is bounded by a plain batch's KV and SIDE_BY_SIDE_ROWS
+(`side_by_side_width`); models that must copy prompt KV into every row run them one after another. The others,
+steering prompt positions from block s up (their split), share the prompt's unsteered lower part: blocks
+0..s-1's KV and the state entering block s, stored once per prompt under the split's own key (LOWER) by the first
+configuration of that split; each configuration then runs only blocks s.. on the prompt, from that state under
+its hooks (the upper pass of worker.grid.passes), and decodes. Requests go block by block (families kept whole),
+every configuration on a block before the next, so the block's stored prompts stay in the store meanwhile.
 """
 
 from __future__ import annotations
