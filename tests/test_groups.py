@@ -387,3 +387,36 @@ def test_a_rank_past_0_tells_the_notes_of_the_layers_it_owns(ray_cluster, llama_
         ex.close()
     for layer in (0, 1):
         assert any(f"layer {layer})" in n and "the model no longer reads its input" in n for n in heard), (layer, set(heard))
+
+
+def test_a_slot_waiting_for_nodes_waits_while_a_group_works_and_times_out_once_none_does():
+    """Pure scheduling logic (no Ray: fake groups and a fake re-forming): a slot re-forming at its "place" step has
+    no deadline while another group works (a Mac that comes back is used); when the last working group is lost,
+    its placement timeout counts from then, not from when it began waiting (which would end the run at once)."""
+    from cluster.groups.pool import GroupHandle, GroupPool
+
+    class Group(GroupHandle):
+        def kill(self) -> None:
+            self.killed = True
+
+    class Waiting:  # a re-forming at its "place" step whose 5 s timeout began long ago
+        step, deadline = "place", time.monotonic() - 100.0
+
+        def restart_clock(self) -> None:
+            self.deadline = time.monotonic() + 5.0
+
+        def overdue(self) -> str | None:
+            return "no nodes for it" if time.monotonic() >= self.deadline else None
+
+    pool = GroupPool([Group([], 0), Group([], 1)])
+    pool.reforms[0] = waiting = Waiting()
+    pool.lose(0, "rank 1 died")
+    assert pool.patient(waiting) and pool.due() is None  # group 1 works: no deadline for the slot
+    pool.expire()
+    assert 0 in pool.reforms and waiting.deadline > time.monotonic()  # waiting on, its clock kept fresh
+    waiting.deadline = time.monotonic() - 100.0
+    pool.lose(1, "rank 0 died")  # the last working group
+    assert not pool.patient(waiting) and 4.0 < pool.due() <= 5.0  # the whole timeout, from now
+    pool.expire()
+    assert 0 in pool.reforms  # not given up at once
+    assert [line for _, line in pool.losses] == ["group g0 lost: rank 1 died", "group g1 lost: rank 0 died"]

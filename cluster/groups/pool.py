@@ -78,6 +78,13 @@ class GroupHandle:
             time.sleep(0.1)
 
 
+def say(line: str) -> None:
+    """One line on stderr, above the head's progress bar (tqdm's own write keeps the bar whole)."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
 def ring_failure(error: BaseException) -> bool:
     """Whether a rank's error is its group breaking (a peer gone: MLX's ring says "[ring] ..."; or the rank died),
     not an error every rank would raise alike."""
@@ -140,13 +147,13 @@ class GroupPool(Pool):
         except Exception as e:  # Ray refused the placement group
             return self._stays_lost(w, f"{type(e).__name__}: {e}")
         self.reviving.update(dict.fromkeys(self.reforms[w].pending, w))
-        print(f"{self.losses[-1][1]}; re-forming it from fresh processes (restart {self.tries[w]} of {self.max_restarts})", file=sys.stderr)
+        say(f"{self.losses[-1][1]}; re-forming it from fresh processes (restart {self.tries[w]} of {self.max_restarts})")
 
     def _stays_lost(self, w: int, why: str) -> None:
         """One line: the slot's last loss and why it was not re-formed."""
         i = max(i for i, (slot, _) in enumerate(self.losses) if slot == w)
         self.losses[i] = (w, f"{self.losses[i][1]}; not re-formed: {why}")
-        print(f"{self.losses[i][1]}: the run goes on with the other groups", file=sys.stderr)
+        say(f"{self.losses[i][1]}: the run goes on with the other groups")
 
     def back(self, ref: Any) -> None:
         """A ref of a slot's re-forming landed: its next step, or the slot alive again, or left lost."""
@@ -184,7 +191,7 @@ class GroupPool(Pool):
         self.alive.add(w)
         self.reformed[w] += 1
         hosts = "+".join(f["hostname"] for f in facts)
-        print(f"group g{w} re-formed on {hosts} (restart {self.tries[w]} of {self.max_restarts}): it takes chunks again", file=sys.stderr)
+        say(f"group g{w} re-formed on {hosts} (restart {self.tries[w]} of {self.max_restarts}): it takes chunks again")
 
     def _give_up(self, w: int, why: str) -> None:
         reform = self.reforms.pop(w)
