@@ -20,7 +20,8 @@ A sweep row: --sweep-configs configurations (add at each layer in turn, random v
 --sweep-prompts documents (half from each subject), one grid job (worker.jobs.run, Job(kind="generate",
 grid=...)), steering at `positions: all` (each configuration runs its own blocks from its layer up on the prompts,
 the blocks below shared by the configurations of that layer) vs `continuation` (the prompts' KV computed once,
-shared by every configuration: worker.prefix_cache.prompt_sharers); and every configuration at `positions: all`
+shared by every configuration: worker.prefix_cache.prompt_sharers, and all ten decoding side by side in one batch:
+worker.grid.generation); and every configuration at `positions: all`
 at resid_pre of the last layer (the prompts' blocks below it computed once: worker.grid.generation) vs of layer 0
 (nothing shared: each configuration prefills its prompts whole).
 
@@ -313,7 +314,8 @@ def main(argv=None) -> int:
                   "extra": f"prefix store peak {SWEEP_STORE[k] / 2**20:.1f} MiB"} for k, t in sweep_times.items()]
         head = f"Sweep: {args.sweep_configs} configurations x {len(sweep)} documents, one grid job (generations/s)"
         bs.table(head, "gen", swept[:2], speedup=True)
-        bs.table(head + ": blocks below the split shared (resid_pre.L: L blocks) vs none", "gen", swept[:1:-1], speedup=True)
+        bs.table(head + ": blocks below the split shared (resid_pre.L: L blocks), and the whole prompt (continuation), vs none",
+                 "gen", [*swept[:1:-1], {**swept[1], "target": None}], speedup=True)
     print(f"\nprefix store: {stats['entries']} entries after the last run; peak {STORE_PEAK[0] / 2**20:.1f} MiB over the "
           f"timed runs, budget {stats['budget'] / 2**20:.0f} MiB (worker.prefix_cache.DEFAULT_BUDGET)")
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f}s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -318,7 +318,7 @@ class RayExecutor:
             "seconds": round(self.seconds, 3),
             "cache": str(cache.path) if cache is not None else None,
             "facts": facts,
-            "prefix_store": [] if isinstance(self.pool, groups.GroupPool) else self.pool.prefix_stores(),  # per worker
+            "prefix_store": self.pool.prefix_stores(),  # per worker (a group's: its rank 0's; every rank stores alike)
             **({"groups": self.groups()} if self.workers._formed is not None else {}),
         }
 

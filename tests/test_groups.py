@@ -91,6 +91,7 @@ def test_two_groups_equal_one_and_both_take_chunks(ray_cluster, llama_path, task
     assert info["workers"] == 2 and info["nodes"] == 4
     assert len(info["requests_computed"]) == 2 and all(n > 0 for n in info["requests_computed"].values())
     assert sorted(g["group"] for g in info["groups"]) == [0, 1]
+    assert len(info["prefix_store"]) == 2 and all(s["budget"] > 0 for s in info["prefix_store"])  # one per group
     assert free_units() == 4
 
 

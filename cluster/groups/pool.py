@@ -46,6 +46,11 @@ class GroupHandle:
         self.chunks = 0  # chunks these ranks finished
         self.run = _Run(self)
 
+    @property
+    def prefix_store(self) -> Any:
+        """Rank 0's prefix store counters (`.remote()`): every rank of a group stores and evicts alike."""
+        return self.ranks[0].prefix_store
+
     def submit(self, *args: Any) -> Any:
         refs = [r.run.remote(*args) for r in self.ranks]
         if not self.watching:
