@@ -85,8 +85,9 @@ def main(task_path: str, rank: int) -> None:
         layers[name], load_peak[name] = models[name].layers, peak_memory_gb()
     held = {name: weights_held(lm) for name, lm in models.items()}
     results = [_job(models[name], job, requests) for name, job, requests in task["work"]]
+    cascade = {name: getattr(lm.model, "_orchard_cascade", None) for name, lm in models.items()}  # its verdict, if asked
     report = {"rank": rank, "layers": layers, "load_peak_gb": load_peak, "peak_gb": peak_memory_gb(),
-              "weights_bytes": held, "results": results}  # fmt: skip
+              "weights_bytes": held, "results": results, "cascade": cascade}  # fmt: skip
     (Path(task_path).parent / f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 

@@ -27,15 +27,17 @@ SIDES = {"stories": (1, 3), "qwen2": (0, 2)}
 HIDDEN = {"stories": 64, "qwen2": 64}
 
 
-def _steer(layer: int, hidden: int, alpha: float = 4.0) -> Steering:
+def _steer(layer: int, hidden: int, alpha: float = 4.0, positions: str = "all") -> Steering:
     vector = tuple(float(v) for v in np.random.default_rng(layer).standard_normal(hidden))
-    return Steering(interventions=(Intervention(layer=layer, vector=vector, alpha=alpha),))
+    return Steering(interventions=(Intervention(layer=layer, vector=vector, alpha=alpha, positions=positions),))
 
 
 def _work(name: str) -> list[tuple[str, Job, list]]:
     """Every request kind on one model: (label, job, requests)."""
     ll = [([1, 5, 9, 20, 30, 31, 32], [40, 41]), ([1, 5, 9, 20, 30, 31, 32], [42]), ([1, 7, 8], [9]), ([1, 2], [3, 4, 5])]
     gen = [GenRequest(context=(1, 5, 9, 20), max_gen_toks=12), GenRequest(context=(1, 7, 8, 30, 31), max_gen_toks=8)]
+    shots = tuple(range(3, 43))  # a 40-token few-shot prefix: its KV held once (worker.cascade), on every rank
+    family = [GenRequest(context=shots + q, max_gen_toks=6) for q in ((50, 51), (60,), (70, 71, 72))]
     low, high = SIDES[name]
     points = (f"resid_post.{low}", f"resid_post.{high}", f"mlp_out.{high}")
     steer_low, steer_high = _steer(low, HIDDEN[name]), _steer(high, HIDDEN[name])
@@ -48,6 +50,9 @@ def _work(name: str) -> list[tuple[str, Job, list]]:
         ("capture", Job(kind="capture", points=points), [([1, 5, 9, 20], -1), ([1, 7, 8, 30, 31], 2)]),
         ("steered_capture", Job(kind="capture", steering=steer_low, points=points), [([1, 5, 9, 20], -1)]),
         ("grid", Job(kind="loglikelihood", grid=(Steering(), steer_low, steer_high)), ll),
+        ("family_generate", Job(kind="generate"), family),
+        ("side_by_side", Job(kind="generate", grid=(Steering(), _steer(low, HIDDEN[name], positions="continuation"),
+                                                    _steer(high, HIDDEN[name], positions="last"))), family),
     ]
 
 
@@ -118,11 +123,19 @@ def test_loglikelihood_equals_unsplit(ring, unsplit, name, label):
         assert np.abs(_scores(want) - _scores(unsplit[name]["loglikelihood"])).max() > 1e-3
 
 
-@pytest.mark.parametrize("label", ["generate", "steered_generate"])
+@pytest.mark.parametrize("label", ["generate", "steered_generate", "family_generate", "side_by_side"])
 @pytest.mark.parametrize("name", ["stories", "qwen2"])
 def test_greedy_generation_identical(ring, unsplit, name, label):
     _, reports = ring
     assert all(r["results"][name][label] == unsplit[name][label] for r in reports)
+
+
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_every_rank_reads_a_shared_prefix_once(ring, unsplit, name):
+    # Each rank passed worker.cascade's self-check (in lockstep), so the family and the sweep ran on one copy of the
+    # prefix; the sweep's three configurations (decoded side by side) gave three different texts somewhere.
+    assert [r["cascade"][name] for r in ring[1]] == [True, True]
+    assert any(len(set(per_config)) == 3 for per_config in unsplit[name]["side_by_side"])
 
 
 @pytest.mark.parametrize("label", ["capture", "steered_capture"])

@@ -12,7 +12,7 @@ mlx-lm's attention modules call `scaled_dot_product_attention` of their family's
 mlx_lm.models.base): `install` wraps that name, and the wrapper runs the split only for a SharedPrefixCache,
 so every other cache goes to mlx-lm's own function untouched. `usable(lm)` proves, once per model, that the
 split gives the logits of the copied-prefix path (a family whose attention does not go through that name
-fails the check and keeps the copies).
+fails the check and keeps the copies); the ranks of a split model (worker.split) each run it on their layers.
 """
 
 from __future__ import annotations
@@ -258,11 +258,10 @@ def _runs(contexts: list[tuple[int, ...]]) -> list[tuple[int, int]]:
 
 
 def usable(lm: Any, copied: Any) -> bool:
-    """Whether `lm` may prefill and decode on SharedPrefixCaches: decided once per model (not for split models,
-    whose ranks must take one path), by comparing the last logits of two rows (suffixes of 3 and 1 tokens after
-    a 4-token prefix) with `copied(lm, reqs, prefix_kv, prefix)`'s, the copied-prefix path, no hook running."""
-    if lm.hooks.group is not None:
-        return False
+    """Whether `lm` may prefill and decode on SharedPrefixCaches: decided once per model, by comparing the last
+    logits of two rows (suffixes of 3 and 1 tokens after a 4-token prefix) with `copied(lm, reqs, prefix_kv,
+    prefix)`'s, the copied-prefix path, no hook running. The ranks of a split model run the probe in lockstep (at
+    the same point of the same job) and end each forward with the same state (worker.split), so they agree."""
     verdict = getattr(lm.model, "_orchard_cascade", None)  # on the model: shared by every view of it
     if verdict is None:
         verdict = lm.model._orchard_cascade = install(lm.model) and _agrees(lm, copied)
