@@ -226,6 +226,7 @@ def block_work(lm, monkeypatch) -> dict[int, int]:
     """Prompt tokens each decoder block really computes: rows x length of its multi-token forwards (a staged block
     that passes or injects computes nothing; decode steps and one-token suffixes feed one token)."""
     assert all(shares_lower(lm, s) for s in range(1, LAYERS + 1))  # probed (and memoized) before counting
+    cascade.usable(lm, _prefill_copied)  # so is the model's one-time self-check
     work = dict.fromkeys(range(LAYERS), 0)
     for i, block in enumerate(decoder_layers(lm.model)):
         cls = type(block)
@@ -255,6 +256,24 @@ def test_prompt_work_below_the_split_does_not_grow_with_the_configurations(lm, m
     assert [r[:2] for r in three] == two and three == independent(lm, grid, reqs, batching)
     assert 0 < w2[0] == w3[0] <= sum(map(len, {r.context for r in reqs})) and w2[1] == w3[1]  # each prompt once
     assert all(w3[i] - w2[i] == w2[i] // 2 > 0 for i in (2, 3))  # blocks 2 and 3: every configuration its own
+
+
+def test_splits_chain_each_block_runs_each_prompt_once_below_the_highest_split(lm, monkeypatch):
+    # Two configurations at each of splits 1, 2 and 3 (resid_post.0, .1, .2). Split 2's lower entry runs on from
+    # split 1's (block 1 only) and split 3's from split 2's (block 2 only): the unsteered lower passes compute each
+    # prompt once per block, where unchained ones run block 0 three times and block 1 twice. Texts: independent runs'.
+    from worker.grid import generation
+
+    reqs, batching = prompts(11), Batching(batch_size=4)
+    grid = [steer(layer, 40 + 2 * layer + k, 3.0 - 2 * k, "all") for layer in (0, 1, 2) for k in range(2)]
+    work = block_work(lm, monkeypatch)
+    got, chained = sweep_work(lm, work, grid, reqs, batching)
+    monkeypatch.setattr(generation, "_lower_below", lambda st, s, tokens: None)
+    again, unchained = sweep_work(lm, work, grid, reqs, batching)
+    assert got == again == independent(lm, grid, reqs, batching)
+    _, single = sweep_work(lm, work, grid[:2], reqs, batching)  # split 1 alone: one lower pass (block 0)
+    assert chained[0] == single[0] > 0 and unchained[0] > chained[0]  # block 0 (no configuration runs it) once
+    assert all(c <= u for c, u in zip(chained.values(), unchained.values())) and unchained[1] > chained[1]
 
 
 def test_configurations_differing_at_one_layer_share_only_the_blocks_below_both(lm, monkeypatch):

@@ -150,27 +150,40 @@ def staged_kv(s: int) -> Callable:
 
 def lower_kv(lm: LoadedModel, s: int, tokens: tuple[int, ...]) -> tuple[list, mx.array]:
     """(blocks 0..s-1's KV caches, the state entering block s at every position) of `tokens`, unsteered, from the
-    store (computed on from its longest stored prefix when it lacks them, and stored)."""
+    store, else computed and stored: on from the split's longest stored prefix of the tokens, and from a lower
+    split r's entry for these very tokens (splits chain: only blocks r..s-1 run)."""
     st, key = store(lm), LOWER.format(s)
     found = st.longest(key, tokens)
     have = found[0] if found is not None else 0
-    st.reused += have
     if have == len(tokens):
-        st.hits += 1
+        st.hits, st.reused = st.hits + 1, st.reused + have
         return found[1]
-    st.extended, st.misses = st.extended + bool(have), st.misses + (not have)
+    below = _lower_below(st, s, tokens)
+    r, (caches, h0) = below if below else (0, ((), None))
+    st.extended, st.misses = st.extended + bool(have or r), st.misses + (not have and not r)
+    st.reused += max(have, len(tokens) if r else 0)
     fresh = _kv_cache(lm)
-    if have:
+    if have:  # blocks below r: only the mask's offset; blocks r..s-1: this split's stored prefix
         fresh[:s] = _cut(found[1][0], have)
     with unhooked(lm), lm.hooks.forward(Rows(offset=have, ends=mx.array([len(tokens) + 1]))):
-        h = _advance(lm, 0, s, None, mx.array([tokens[have:]]), fresh)
+        h = _advance(lm, r, s, h0[:, have:] if r else None, mx.array([tokens[have:]]), fresh)
+    fresh[:r] = caches  # split r's own (held by both entries: each counts them, so the budget errs safe)
     if have:
         h = mx.concatenate([found[1][1][:, :have], h], axis=1)
     mx.eval(h)
-    _eval_caches(fresh[:s])
+    _eval_caches(fresh[r:s])
     entry = (fresh[:s], h)
     st.put(key, tokens, entry, size=sum(c.keys.nbytes + c.values.nbytes for c in fresh[:s]) + h.nbytes)
     return entry
+
+
+def _lower_below(st: Any, s: int, tokens: tuple[int, ...]) -> tuple[int, tuple] | None:
+    """(r, entry) of the highest split r < s whose store entry holds exactly these tokens."""
+    for r in range(s - 1, 0, -1):
+        found = st.longest(LOWER.format(r), tokens)
+        if found is not None and found[0] == len(tokens):
+            return r, found[1]
+    return None
 
 
 def _cut(caches: Sequence[Any], n: int) -> list:
