@@ -110,6 +110,25 @@ def test_a_model_whose_attention_skips_the_wrapped_function_keeps_the_copies(lla
     assert generate_tokens(lm, reqs, batch_size=8) == generate_tokens(lm, reqs, batch_size=1, prefix_reuse=False)
 
 
+def test_a_model_with_attention_sinks_fails_the_self_check_and_keeps_the_copies(llama_path, monkeypatch):
+    """As gpt-oss: attention that passes sinks through the wrapped function. The split cannot add a sink, so the
+    wrapper raises inside the self-check's probe, the check says no, and generation takes the copied path."""
+    import mlx_lm.models.llama as family
+
+    wrapped = cascade._wrap(base.scaled_dot_product_attention)
+
+    def with_sinks(queries, keys, values, cache, scale, mask):
+        return wrapped(queries, keys, values, cache, scale, mask, sinks=mx.zeros((queries.shape[1],)))
+
+    with_sinks.orchard_cascade = True  # the wrapper is in place: install finds it
+    monkeypatch.setattr(family, "scaled_dot_product_attention", with_sinks)
+    lm = load(str(llama_path))
+    assert not cascade.usable(lm, _prefill_copied)
+    reqs = _families(lm)
+    store(lm).clear()
+    assert generate_tokens(lm, reqs, batch_size=8) == generate_tokens(lm, reqs, batch_size=1, prefix_reuse=False)
+
+
 def test_runs_share_a_prefix_of_at_least_the_minimum_and_leave_each_row_a_token():
     from worker.cascade import _runs
     from worker.score import MIN_SHARED_PREFIX as M
