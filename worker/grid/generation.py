@@ -104,7 +104,7 @@ def _side_by_side(lm: LoadedModel, installs: Sequence[list], reqs: list[GenReque
     k = len(installs)
     with lm.hooks.installed(installs[0]):
         cut, parts = prompt_parts(lm, reqs, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse, prompt_reuse=True)
-    wide = []  # row i * k + j: request i under configuration j (a prompt's rows next to each other: worker.cascade._runs)
+    wide = []  # row i * k + j: request i under configuration j (a prompt's copies next to each other: cascade.stored_rows)
     for kv, prefix, idx in parts:
         rows = [[i * k + j for i in idx for j in range(k)]] if len(idx) > 1 else [[idx[0] * k + j] for j in range(k)]
         wide += [(kv, prefix, r) for r in rows]
