@@ -206,14 +206,16 @@ def fits(lm: Any, contexts: Sequence[tuple] = (), block: int = 1, copies: int = 
     return store(lm).budget > 0 and copies * sum(longest) * kv_bytes_per_token(lm) <= store(lm).budget
 
 
-def prompt_sharers(lm: Any, installs: Sequence[list], contexts: Sequence[tuple] = (), block: int = 1) -> list[bool]:
+def prompt_sharers(lm: Any, installs: Sequence[list], contexts: Sequence[tuple] = (), block: int = 1,
+                   prints: Sequence[str | None] | None = None) -> list[bool]:
     """Per configuration (its hooks), whether another one acts the same on every prompt position (the same
     fingerprint: e.g. both steer only `continuation` or `last` positions), so their prompts' KV is the same
     and worth storing for each other. Never with the store off, nor when the `block` longest of `contexts` would
-    not fit in it at once (sharing would then evict each prompt before the next configuration reads it)."""
+    not fit in it at once (sharing would then evict each prompt before the next configuration reads it).
+    `prints`: the configurations' `prompt_prints`, when the caller has them."""
     if not fits(lm, contexts, block):
         return [False] * len(installs)
-    prints = prompt_prints(lm, installs)
+    prints = prompt_prints(lm, installs) if prints is None else prints
     return [f is not None and prints.count(f) > 1 for f in prints]
 
 

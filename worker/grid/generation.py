@@ -41,9 +41,10 @@ def grid_generate(
     batching = batching or Batching()
     installs = _installs(lm, steerings)
     contexts = [r.context for r in requests]
-    sharers = prompt_sharers(lm, installs, contexts, batching.batch_size)
+    prints = prompt_prints(lm, installs)
+    sharers = prompt_sharers(lm, installs, contexts, batching.batch_size, prints)
     splits = staged_splits(lm, installs, sharers, contexts, batching.batch_size)
-    prints = [f if share else None for f, share in zip(prompt_prints(lm, installs), sharers)]
+    prints = [f if share else None for f, share in zip(prints, sharers)]  # the fingerprints that share
     results: list[list[Any]] = [[None] * len(installs) for _ in requests]
     alone = [c for c in range(len(installs)) if not sharers[c] and not splits[c]]
     together = sorted((c for c in range(len(installs)) if sharers[c] or splits[c]), key=lambda c: splits[c])
