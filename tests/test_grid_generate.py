@@ -58,19 +58,26 @@ def independent(lm, grid, reqs, batching, kind: str = "generate") -> list[list]:
     return [list(r) for r in zip(*per_config)]
 
 
-def computed_prompts(lm, grid, reqs, batching) -> tuple[list[list[str]], int]:
-    """The grid's texts and the prompt tokens its forwards computed (rows x length of every multi-token body
-    forward: prefills, prefix passes and their extensions; decode steps and one-token suffixes feed one)."""
+def counted_run(lm, grid, reqs, batching) -> tuple[list[list[str]], list[tuple[int, int]]]:
+    """The grid's texts and the (rows, length) of every body forward it ran, the store emptied first (the model's
+    one-time self-check runs before the counting)."""
     store(lm).clear()
-    fed = []
-    cascade.usable(lm, _prefill_copied)  # the model's one-time self-check runs before the counting
+    shapes = []
+    cascade.usable(lm, _prefill_copied)
 
     def body(x, cache=None):
-        fed.append(x.shape[0] * x.shape[1] if x.shape[1] > 1 else 0)
+        shapes.append(tuple(x.shape[:2]))
         return lm.head.body(x, cache=cache)
 
     counted = dataclasses.replace(lm, head=dataclasses.replace(lm.head, body=body))
-    return run(counted, Job(kind="generate", grid=tuple(grid)), reqs, batching), sum(fed)
+    return run(counted, Job(kind="generate", grid=tuple(grid)), reqs, batching), shapes
+
+
+def computed_prompts(lm, grid, reqs, batching) -> tuple[list[list[str]], int]:
+    """The grid's texts and the prompt tokens its forwards computed (rows x length of every multi-token body
+    forward: prefills, prefix passes and their extensions; decode steps and one-token suffixes feed one)."""
+    texts, shapes = counted_run(lm, grid, reqs, batching)
+    return texts, sum(rows * length for rows, length in shapes if length > 1)
 
 
 @pytest.mark.parametrize("batch_size", [3, 16])
@@ -132,15 +139,8 @@ def test_prompts_are_not_shared_when_a_block_would_not_fit_the_store(lm):
 
 def decode_steps(lm, grid, reqs, batching) -> tuple[list[list[str]], int]:
     """The grid's texts and how many one-token forwards it ran (decode steps; last-token prefills)."""
-    steps = []
-    cascade.usable(lm, _prefill_copied)
-
-    def body(x, cache=None):
-        steps.append(x.shape[1] == 1)
-        return lm.head.body(x, cache=cache)
-
-    counted = dataclasses.replace(lm, head=dataclasses.replace(lm.head, body=body))
-    return run(counted, Job(kind="generate", grid=tuple(grid)), reqs, batching), sum(steps)
+    texts, shapes = counted_run(lm, grid, reqs, batching)
+    return texts, sum(length == 1 for _, length in shapes)
 
 
 ALIKE = [steer(0, 11, 3.0, "continuation", site="resid_pre"), steer(2, 12, 2.0, "last", "clamp", "mlp_out"),
