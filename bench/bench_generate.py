@@ -171,6 +171,9 @@ def sweep_rows(lm, reqs, configs: int, batch_size: int) -> dict:
                                                           alpha=float(1 + c % 3), positions=positions),)) for c, v in enumerate(vecs))
 
     def row(name: str, positions: str, layer: int | None = None, site: str = "resid_post"):
+        splits = [c % layers + 1 for c in range(configs)] if layer is None else [layer + (site == "resid_post")] * configs
+        SWEEP_GFLOP[name] = sweep_gflop(lm, reqs, configs, positions, splits)
+
         def go():
             store(lm).clear()
             out = run(lm, Job(kind="generate", grid=grid(positions, layer, site)), reqs, Batching(batch_size=batch_size))
@@ -178,13 +181,37 @@ def sweep_rows(lm, reqs, configs: int, batch_size: int) -> dict:
             return out
         return name, go
 
-    return dict([row("sweep, positions: all", "all"), row("sweep, positions: continuation", "continuation"),
-                 row(f"sweep, all, resid_pre.{layers - 1}", "all", layers - 1, "resid_pre"),
-                 row("sweep, all, resid_pre.0", "all", 0, "resid_pre")])
+    return dict([row("sweep, resid_pre.0, all", "all", 0, "resid_pre"),
+                 row("sweep, resid_pre.0, continuation", "continuation", 0, "resid_pre"),
+                 row("sweep, layers in turn, all", "all"), row("sweep, layers in turn, continuation", "continuation"),
+                 row(f"sweep, resid_pre.{layers - 1}, all", "all", layers - 1, "resid_pre")])
+
+
+def sweep_gflop(lm, reqs, configs: int, positions: str, splits: list[int]) -> float:
+    """The arithmetic of a sweep's grid job (GFLOP, matmuls only; attention's score products left out): each
+    family's prompt tokens (its exemplars once) through the blocks run on them, and every (request, configuration)
+    row's forwards with logits (its prompt's last token, then each new token but the last) through every block and the vocabulary head. `splits`: per configuration
+    the block its steering enters (resid_post.L: L + 1; resid_pre.L: L). `continuation` runs every prompt once;
+    `all` runs the blocks below the highest split once (splits chain) and each configuration's blocks from its
+    split up (worker.grid.generation)."""
+    from worker.generate import _prefix_families
+
+    c = lm.config
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    kv = c.get("num_key_value_heads", heads) * (d // heads)
+    block = 2 * d * (2 * d + 2 * kv + 3 * c["intermediate_size"])  # q, o; k, v; gate, up, down
+    layers, head = lm.n_layers, 2 * d * c["vocab_size"]
+    contexts = [r.context for r in reqs]
+    tokens = sum(p + sum(len(contexts[i]) - p for i in idx) if p else sum(len(contexts[i]) for i in idx)
+                 for p, idx in _prefix_families(contexts, True)) - len(reqs)  # a prompt's last token: with its rows
+    run = layers if positions == "continuation" else max(splits) + sum(layers - s for s in splits)
+    rows = configs * len(reqs) * reqs[0].max_gen_toks  # forwards with logits: the prompt's last token, the new ones
+    return (tokens * run * block + rows * (layers * block + head)) / 1e9
 
 
 PEAKS: dict[str, int] = {}  # peak MLX memory per row (bytes)
 SWEEP_STORE: dict[str, int] = {}  # the prefix store's peak bytes per sweep row
+SWEEP_GFLOP: dict[str, float] = {}  # each sweep row's arithmetic (sweep_gflop)
 STORE_PEAK = [0]  # the prefix store's peak bytes over the timed runs
 
 
@@ -254,6 +281,26 @@ def parse(argv=None):
     return args
 
 
+def sweep_tables(times: dict, cells: int, grid: str) -> None:
+    """The sweep's tables: `continuation` vs `all` on one grid at a time (the target: where `all` has no block
+    below to share, every configuration prefilling the prompts again), then what `all` shares below its splits.
+    Each row shows its arithmetic (sweep_gflop): a time ratio above the arithmetic's ratio is batching efficiency."""
+    names = list(times)
+    low = min(SWEEP_GFLOP.values())
+
+    def row(name: str, target: float | None = None) -> dict:
+        extra = f"{SWEEP_GFLOP[name]:.0f} GFLOP ({SWEEP_GFLOP[name] / low:.2f}x); prefix store peak {SWEEP_STORE[name] / 2**20:.1f} MiB"
+        return {"name": name, "times": times[name], "n": cells, "target": target, "extra": extra}
+
+    head = f"Sweep: {grid}, one grid job (generations/s; arithmetic: matmul GFLOP, x the least)"
+    bs.table(f"{head}; every configuration at resid_pre.0 (`all` shares no block)", "gen",
+             [row(names[0]), row(names[1], VS_SWEEP_ALL)], speedup=True)
+    bs.table(f"{head}; configurations at resid_post of each layer in turn (`all` shares the blocks below each)", "gen",
+             [row(names[2]), row(names[3])], speedup=True)
+    bs.table(f"{head}; `all`: blocks below the splits shared (resid_pre.L: L blocks) vs none", "gen",
+             [row(names[0]), row(names[4]), row(names[2])], speedup=True)
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     t0 = time.perf_counter()
@@ -309,13 +356,7 @@ def main(argv=None) -> int:
              [row(1), row(2, VS_NO_SHARING, off, " with no sharing"), row(3, VS_NO_SHARING, off, " with no sharing")],
              speedup=True)
     if sweep_times:
-        cells = args.sweep_configs * len(sweep)
-        swept = [{"name": k, "times": t, "n": cells, "target": VS_SWEEP_ALL if "continuation" in k else None,
-                  "extra": f"prefix store peak {SWEEP_STORE[k] / 2**20:.1f} MiB"} for k, t in sweep_times.items()]
-        head = f"Sweep: {args.sweep_configs} configurations x {len(sweep)} documents, one grid job (generations/s)"
-        bs.table(head, "gen", swept[:2], speedup=True)
-        bs.table(head + ": blocks below the split shared (resid_pre.L: L blocks), and the whole prompt (continuation), vs none",
-                 "gen", [*swept[:1:-1], {**swept[1], "target": None}], speedup=True)
+        sweep_tables(sweep_times, args.sweep_configs * len(sweep), f"{args.sweep_configs} configurations x {len(sweep)} documents")
     print(f"\nprefix store: {stats['entries']} entries after the last run; peak {STORE_PEAK[0] / 2**20:.1f} MiB over the "
           f"timed runs, budget {stats['budget'] / 2**20:.0f} MiB (worker.prefix_cache.DEFAULT_BUDGET)")
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f}s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

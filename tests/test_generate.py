@@ -289,12 +289,12 @@ def test_seeded_sampling_independent_of_batch(lm):
 def test_each_sampled_token_draws_with_its_own_steps_key(llama):
     """Step t of a sampled row draws argmax(warped logits + Gumbel noise from key t of the row's own seed):
     the same seed gives the same text in any batch and in any later version of the kernel."""
-    from worker.sampling import _sample_keys
+    from worker.sampling import sample_keys
 
     m = with_eos(llama, [])
     r = GenRequest(ids(m, PROMPTS[0]), max_gen_toks=6, do_sample=True, temperature=2.0, top_k=0, seed=11)
     got = generate_tokens(m, [r])[0]
-    keys, context = _sample_keys(r), list(r.context)
+    keys, context = sample_keys(r), list(r.context)
     for step, token in enumerate(got):
         logits = m.model(mx.array([context]))[:, -1, :].astype(mx.float32)
         noise = mx.random.gumbel((logits.shape[-1],), key=keys[step])
@@ -516,10 +516,10 @@ def test_long_stop_string_of_byte_tokens(llama):
 def test_sample_key_stream_is_pinned():
     """Step t of a sampled row draws with key t of split(key(seed mod 2**64), max(2, max_gen_toks)). Pinned, so a
     seed gives the same draws in later versions of the kernel; negative seeds wrap instead of failing."""
-    from worker.sampling import _sample_keys
+    from worker.sampling import sample_keys
 
     def keys(n, seed):
-        return _sample_keys(GenRequest((1,), max_gen_toks=n, do_sample=True, temperature=1.0, seed=seed)).tolist()
+        return sample_keys(GenRequest((1,), max_gen_toks=n, do_sample=True, temperature=1.0, seed=seed)).tolist()
 
     assert keys(1, 5) == keys(2, 5) == [[3594430910, 534832770], [1784718894, 3813648515]]
     assert keys(3, 5) == [[2939540675, 3006210766], [3038296040, 3076691462], [279368646, 2516963019]]
@@ -647,14 +647,14 @@ def test_only_logits_that_are_not_finite_are_refused():
     # The step's flag is the logits' sum (one pass): a sum that overflows from finite logits is re-checked exactly.
     import mlx.core as mx
 
-    from worker.sampling import NON_FINITE, _check_finite, finite_flag
+    from worker.sampling import NON_FINITE, check_finite, finite_flag
 
     big = mx.full((2, 8), 3e38)
     assert not finite_flag(big).item()
-    _check_finite(finite_flag(big), big)  # finite logits: not refused
-    _check_finite(finite_flag(mx.zeros((2, 8))), mx.zeros((2, 8)))
+    check_finite(finite_flag(big), big)  # finite logits: not refused
+    check_finite(finite_flag(mx.zeros((2, 8))), mx.zeros((2, 8)))
     for bad in (float("nan"), float("inf"), -float("inf")):
         x = mx.zeros((2, 8))
         x[1, 3] = bad
         with pytest.raises(ValueError, match=NON_FINITE):
-            _check_finite(finite_flag(x), x)
+            check_finite(finite_flag(x), x)

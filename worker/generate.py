@@ -22,7 +22,7 @@ from mlx_lm.models.cache import BatchKVCache
 from . import cascade
 from .hooks import Rows, decoder_layers
 from .prefix_cache import merged, own_prefixes, prefix_kv
-from .sampling import _check_finite, _lookback, _next_tokens, _sample_keys, _stopped, finite_flag, stop_at
+from .sampling import check_finite, finite_flag, lookback, next_tokens, sample_keys, stop_at, stopped
 from .score import MAX_PADDING, MIN_ROWS, Row, _broadcast, _families
 
 
@@ -313,16 +313,16 @@ def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos
     B = len(reqs)
     cache, pads, pos, logits = _merged_prefill(lm, parts, configs)
     prompt_end = pos
-    keys = [None if r.greedy else _sample_keys(r) for r in reqs]
-    lookbacks = [_lookback(r.until) for r in reqs]
-    y, finite = _next_tokens(logits, reqs, keys, 0), finite_flag(logits)
+    keys = [None if r.greedy else sample_keys(r) for r in reqs]
+    lookbacks = [lookback(r.until) for r in reqs]
+    y, finite = next_tokens(logits, reqs, keys, 0), finite_flag(logits)
 
     live = list(range(B))  # batch rows still generating, in cache order
     generated: list[list[int]] = [[] for _ in range(B)]
     step = 0
     while True:
         mx.eval(y, finite, [c.state for c in cache])  # the step's one host sync
-        _check_finite(finite, logits)
+        check_finite(finite, logits)
         keep = []
         for j, (b, tok) in enumerate(zip(live, y.tolist())):
             r = reqs[b]
@@ -330,7 +330,7 @@ def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos
                 continue
             generated[b].append(tok)
             # Decode text, not the new token alone: a stop string may span tokens or end inside one.
-            if r.until and _stopped(lm.tokenizer, generated[b], r.until, lookbacks[b]):
+            if r.until and stopped(lm.tokenizer, generated[b], r.until, lookbacks[b]):
                 continue
             if len(generated[b]) < r.max_gen_toks:
                 keep.append(j)
@@ -358,6 +358,6 @@ def _generate_batch(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], eos
             logits = _last_logits(lm, y[:, None], cache)
         pos += 1
         sub = [reqs[b] for b in live]
-        y, finite = _next_tokens(logits, sub, [keys[b] for b in live], step), finite_flag(logits)
+        y, finite = next_tokens(logits, sub, [keys[b] for b in live], step), finite_flag(logits)
 
     return generated

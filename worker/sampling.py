@@ -16,18 +16,19 @@ NON_FINITE = "the model's next-token scores are NaN or infinite"
 
 def finite_flag(logits: mx.array) -> mx.array:
     """A lazy flag: the logits' sum is finite, so every logit is, in one pass (an isfinite mask over rows x
-    vocabulary took 16 ms a step for 160 rows here, the sum 4 ms); `_check_finite` re-checks a false one exactly."""
+    vocabulary took 16 ms a step for 160 rows here, the sum 4 ms); `check_finite` re-checks a false one exactly."""
     return mx.isfinite(logits.sum())
 
 
-def _check_finite(finite: mx.array, logits: mx.array) -> None:
+def check_finite(finite: mx.array, logits: mx.array) -> None:
     """Never a token drawn from NaN/inf scores (argmax would pick token 0 and call it text); a sum that only
     overflowed is not refused."""
     if not finite.item() and not mx.isfinite(logits).all().item():
         raise ValueError(f"{NON_FINITE}: check the model's weights and the steering")
 
 
-def _sample_keys(r: Any) -> mx.array:
+def sample_keys(r: Any) -> mx.array:
+    """A request's random keys, one per new token."""
     # One key per step derived from the request's own seed alone, so the draw at step t does not depend on
     # which other rows share the batch.
     return mx.random.split(mx.random.key(r.seed & 0xFFFFFFFFFFFFFFFF), max(2, r.max_gen_toks))
@@ -56,7 +57,8 @@ def warp_logits(logits: mx.array, reqs: Sequence[Any]) -> mx.array:
     return logits
 
 
-def _next_tokens(logits: mx.array, reqs: Sequence[Any], keys: Sequence[Any], step: int) -> mx.array:
+def next_tokens(logits: mx.array, reqs: Sequence[Any], keys: Sequence[Any], step: int) -> mx.array:
+    """Each row's next token: argmax for greedy requests, else a draw with the row's key for this step."""
     greedy = mx.argmax(logits, axis=-1)
     if all(r.greedy for r in reqs):
         return greedy
@@ -67,17 +69,19 @@ def _next_tokens(logits: mx.array, reqs: Sequence[Any], keys: Sequence[Any], ste
     return mx.where(mx.array([r.greedy for r in reqs]), greedy, sampled)
 
 
-def _lookback(until: Sequence[str]) -> int:
+def lookback(until: Sequence[str]) -> int:
+    """How many of a row's newest tokens `stopped` decodes."""
     # Tokens to re-decode per step: a stop string completed by the newest token lies in the last len(stop)
     # characters, which come from at most 4 tokens each (byte tokens); the slack absorbs the window's
     # first characters, which may decode differently on their own (half a UTF-8 char, a dropped space).
     return 4 * max((len(t) for t in until), default=0) + 16
 
 
-def _stopped(tokenizer: Any, ids: list[int], until: Sequence[str], lookback: int) -> bool:
+def stopped(tokenizer: Any, ids: list[int], until: Sequence[str], window: int) -> bool:
+    """The newest of `ids` completes one of the stop strings `until` (the last `window` tokens decoded: `lookback`)."""
     # Special tokens are kept, as in lm-eval's MultiTokenEOSCriteria, so a stop string like "<|im_end|>"
     # ends generation even when it is not an EOS id; the returned text is decoded without them.
-    text = tokenizer.decode(ids[-lookback:], skip_special_tokens=False)
+    text = tokenizer.decode(ids[-window:], skip_special_tokens=False)
     return any(term and term in text for term in until)
 
 
