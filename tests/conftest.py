@@ -74,6 +74,14 @@ def stories_path() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def story_plain(tmp_path_factory) -> dict:
+    """The unsplit `driver run` on the stories model and its tasks (test_cli._story_run), once: {task: {doc: responses}}."""
+    from test_cli import _story_run
+
+    return _story_run(tmp_path_factory.mktemp("story-plain"), "plain")[1]
+
+
 NODE = {"num_cpus": 1, "resources": {"mlx": 1}, "node_ip_address": "127.0.0.1"}
 
 

@@ -457,11 +457,11 @@ def _close(a, b, tol: float) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("split, tol", [("auto", 1e-5), ("tensor", 1e-4)])
-def test_a_group_of_two_on_the_local_cluster_equals_the_unsplit_run(tmp_path, split, tol):
+def test_a_group_of_two_on_the_local_cluster_equals_the_unsplit_run(tmp_path, story_plain, split, tol):
     """`driver run --address local --workers 1 --group-size 2`: one group of two local processes (a ring over
     127.0.0.1) holding the stories model split (auto: pipeline, layers 0-2 | 3-4; tensor: 4 heads each) gives the
     unsplit run's numbers: every log-likelihood, rolling perplexity term and greedy generation."""
-    _, plain, _ = _story_run(tmp_path, "plain")
+    plain = story_plain
     proc, grouped, summary = _story_run(tmp_path, "grouped", "--group-size", "2", "--split", split)
     ranks = summary["worker_facts"][0]["ranks"]
     assert summary["workers"] == 1 and [r["rank_in_group"] for r in ranks] == [0, 1]  # the group really formed

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from test_cli import _close, _story_run, driver_env
+from test_cli import _close, driver_env
 
 pytestmark = pytest.mark.slow
 
@@ -81,10 +81,10 @@ def _left(processes: list[psutil.Process]) -> list[str]:
     return left
 
 
-def test_a_rank_killed_mid_run_on_the_local_cluster_loses_one_group_and_the_numbers_stay(tmp_path):
+def test_a_rank_killed_mid_run_on_the_local_cluster_loses_one_group_and_the_numbers_stay(tmp_path, story_plain):
     from testbed.stories import MODEL, TASKS, write_story_tasks
 
-    _, plain, _ = _story_run(tmp_path, "plain")
+    plain = story_plain
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "driver", "run", "--model", str(MODEL), "--tasks", ",".join(TASKS), "--include-path",
            str(write_story_tasks(tmp_path / "tasks")), "--address", "local", "--workers", "2", "--group-size", "2",
