@@ -423,26 +423,40 @@ def test_the_flags_reach_the_executor_as_a_grouping(stories_path):
     assert model_grouping(spec, 1, "auto", None) == Grouping()
 
 
-def _story_run(tmp_path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict, dict]:
-    """`driver run` on the stories model and its three tasks (8 documents each) on the embedded Ray, samples
-    logged: (the process, {task: {doc_id: filtered responses}}, the run summary)."""
-    import json
-
+def _story_args(tmp_path, name: str, *extra: str) -> list:
+    """`driver run`'s arguments for the stories model and its three tasks (8 documents each) on the embedded Ray,
+    samples logged to tmp_path / name."""
     from testbed.stories import MODEL, TASKS, write_story_tasks
 
     tasks = write_story_tasks(tmp_path / "tasks")
-    proc = driver(tmp_path, "run", "--model", MODEL, "--tasks", ",".join(TASKS), "--include-path", tasks, "--address", "local",
-                  "--workers", "1", "--threads", "1", "--batch-size", "8", "--limit", "8", "--log-samples",
-                  "--output-path", tmp_path / name, *extra)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ["run", "--model", MODEL, "--tasks", ",".join(TASKS), "--include-path", tasks, "--address", "local",
+            "--workers", "1", "--threads", "1", "--batch-size", "8", "--limit", "8", "--log-samples",
+            "--output-path", tmp_path / name, *extra]  # fmt: skip
+
+
+def _story_samples(folder) -> dict:
+    """{task: {doc_id: filtered responses}} of a stories run's logged samples."""
+    import json
+
+    from testbed.stories import TASKS
+
     samples = {t: {} for t in TASKS}
-    for path in (tmp_path / name).rglob("samples_*.jsonl"):
+    for path in folder.rglob("samples_*.jsonl"):
         task = next(t for t in TASKS if path.name.startswith(f"samples_{t}_"))
         for line in path.read_text().splitlines():
             row = json.loads(line)
             samples[task][row["doc_id"]] = row["filtered_resps"]
+    return samples
+
+
+def _story_run(tmp_path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    """`driver run` with `_story_args`: (the process, its samples, the run summary)."""
+    import json
+
+    proc = driver(tmp_path, *_story_args(tmp_path, name, *extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(next((tmp_path / name).rglob("summary_*.json")).read_text())
-    return proc, samples, summary
+    return proc, _story_samples(tmp_path / name), summary
 
 
 def _close(a, b, tol: float) -> bool:
@@ -461,7 +475,6 @@ def test_a_group_of_two_on_the_local_cluster_equals_the_unsplit_run(tmp_path, st
     """`driver run --address local --workers 1 --group-size 2`: one group of two local processes (a ring over
     127.0.0.1) holding the stories model split (auto: pipeline, layers 0-2 | 3-4; tensor: 4 heads each) gives the
     unsplit run's numbers: every log-likelihood, rolling perplexity term and greedy generation."""
-    plain = story_plain
     proc, grouped, summary = _story_run(tmp_path, "grouped", "--group-size", "2", "--split", split)
     ranks = summary["worker_facts"][0]["ranks"]
     assert summary["workers"] == 1 and [r["rank_in_group"] for r in ranks] == [0, 1]  # the group really formed
@@ -469,9 +482,9 @@ def test_a_group_of_two_on_the_local_cluster_equals_the_unsplit_run(tmp_path, st
         assert [tuple(r["layers"]) for r in ranks] == [(0, 3), (3, 5)]
         assert "--split auto: pipeline (contiguous layers per node" in proc.stderr
     assert all(r["peak_memory_gb"] > 0 for r in ranks)
-    assert {t: sorted(s) for t, s in grouped.items()} == {t: sorted(s) for t, s in plain.items()}
-    different = [(t, d) for t in plain for d in plain[t] if not _close(plain[t][d], grouped[t][d], tol)]
-    assert not different, [(t, d, plain[t][d], grouped[t][d]) for t, d in different[:3]]
+    assert {t: sorted(s) for t, s in grouped.items()} == {t: sorted(s) for t, s in story_plain.items()}
+    different = [(t, d) for t in story_plain for d in story_plain[t] if not _close(story_plain[t][d], grouped[t][d], tol)]
+    assert not different, [(t, d, story_plain[t][d], grouped[t][d]) for t, d in different[:3]]
 
 
 @pytest.mark.slow

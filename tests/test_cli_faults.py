@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from test_cli import _close, driver_env
+from test_cli import _close, _story_args, _story_samples, driver_env
 
 pytestmark = pytest.mark.slow
 
@@ -82,13 +82,9 @@ def _left(processes: list[psutil.Process]) -> list[str]:
 
 
 def test_a_rank_killed_mid_run_on_the_local_cluster_loses_one_group_and_the_numbers_stay(tmp_path, story_plain):
-    from testbed.stories import MODEL, TASKS, write_story_tasks
-
-    plain = story_plain
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "driver", "run", "--model", str(MODEL), "--tasks", ",".join(TASKS), "--include-path",
-           str(write_story_tasks(tmp_path / "tasks")), "--address", "local", "--workers", "2", "--group-size", "2",
-           "--threads", "1", "--batch-size", "8", "--limit", "8", "--log-samples", "--output-path", str(out)]  # fmt: skip
+    args = _story_args(tmp_path, "killed", "--workers", "2", "--group-size", "2")  # the later --workers wins
+    cmd = [sys.executable, "-m", "driver", *map(str, args)]
     with open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=driver_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err)
         try:
@@ -104,14 +100,11 @@ def test_a_rank_killed_mid_run_on_the_local_cluster_loses_one_group_and_the_numb
     assert len(lost) == 1 and len(lost[0]["lost"]) == 1, summary["groups"]
     reason = lost[0]["lost"][0]
     assert reason.startswith(f"group g{lost[0]['group']} lost: rank ") and "died" in reason and "\n" not in reason
-    assert reason in stderr and "Traceback" not in stderr  # said once, above the progress bar
+    assert reason in stderr and "Traceback" not in stderr  # shown to the user, above the progress bar
     assert lost[0]["reformed"] == lost[0]["alive"]  # back from fresh processes, or lost while the other finished
-    grouped = {}
-    for path in out.rglob("samples_*.jsonl"):
-        task = next(t for t in TASKS if path.name.startswith(f"samples_{t}_"))
-        grouped[task] = {json.loads(x)["doc_id"]: json.loads(x)["filtered_resps"] for x in path.read_text().splitlines()}
-    assert {t: sorted(s) for t, s in grouped.items()} == {t: sorted(s) for t, s in plain.items()}
-    different = [(t, d) for t in plain for d in plain[t] if not _close(plain[t][d], grouped[t][d], 1e-5)]
-    assert not different, [(t, d, plain[t][d], grouped[t][d]) for t, d in different[:3]]
+    grouped = _story_samples(out)
+    assert {t: sorted(s) for t, s in grouped.items()} == {t: sorted(s) for t, s in story_plain.items()}
+    different = [(t, d) for t in story_plain for d in story_plain[t] if not _close(story_plain[t][d], grouped[t][d], 1e-5)]
+    assert not different, [(t, d, story_plain[t][d], grouped[t][d]) for t, d in different[:3]]
     time.sleep(1.0)
     assert not _left(seen), _left(seen)  # the local Ray, its ranks and any re-formed ones: all ended with the run
