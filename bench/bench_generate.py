@@ -190,8 +190,8 @@ def sweep_rows(lm, reqs, configs: int, batch_size: int) -> dict:
 def sweep_gflop(lm, reqs, configs: int, positions: str, splits: list[int]) -> float:
     """The arithmetic of a sweep's grid job (GFLOP, matmuls only; attention's score products left out): each
     family's prompt tokens (its exemplars once) through the blocks run on them, and every (request, configuration)
-    row's forwards with logits (its prompt's last token, then each new token but the last) through every block and the vocabulary head. `splits`: per configuration
-    the block its steering enters (resid_post.L: L + 1; resid_pre.L: L). `continuation` runs every prompt once;
+    row's forwards with logits (its prompt's last token, then each new token but the last) through every block and
+    the vocabulary head. `splits`: per configuration the block its steering enters (resid_post.L: L + 1; resid_pre.L: L). `continuation` runs every prompt once;
     `all` runs the blocks below the highest split once (splits chain) and each configuration's blocks from its
     split up (worker.grid.generation)."""
     from worker.generate import _prefix_families
@@ -202,8 +202,8 @@ def sweep_gflop(lm, reqs, configs: int, positions: str, splits: list[int]) -> fl
     block = 2 * d * (2 * d + 2 * kv + 3 * c["intermediate_size"])  # q, o; k, v; gate, up, down
     layers, head = lm.n_layers, 2 * d * c["vocab_size"]
     contexts = [r.context for r in reqs]
-    tokens = sum(p + sum(len(contexts[i]) - p for i in idx) if p else sum(len(contexts[i]) for i in idx)
-                 for p, idx in _prefix_families(contexts, True)) - len(reqs)  # a prompt's last token: with its rows
+    tokens = sum(len(c) - 1 for c in contexts)  # a prompt's last token runs with its rows
+    tokens -= sum(p * (len(idx) - 1) for p, idx in _prefix_families(contexts, True))  # a family's exemplars once
     run = layers if positions == "continuation" else max(splits) + sum(layers - s for s in splits)
     rows = configs * len(reqs) * reqs[0].max_gen_toks  # forwards with logits: the prompt's last token, the new ones
     return (tokens * run * block + rows * (layers * block + head)) / 1e9

@@ -22,7 +22,7 @@ from worker.grid.generation import LOWER, staged_splits
 from worker.hooks import decoder_layers
 from worker.jobs import run
 from worker.load import load
-from worker.prefix_cache import prompt_sharers, store
+from worker.prefix_cache import prompt_prints, prompt_sharers, store
 from worker.spec import Batching, Intervention, Job, ModelSpec, Steering
 from worker.steer import hooks_for
 
@@ -98,7 +98,7 @@ def test_configurations_differing_at_one_layer_never_share_prompts(lm):
     batching = Batching(batch_size=4)
     a, b = steer(2, 7, 3.0, "all"), steer(2, 8, 3.0, "all")
     grid = [a, steer(1, 1, 4.0, "continuation"), b, Steering()]
-    assert prompt_sharers(lm, [hooks_for(s, LAYERS, HIDDEN) if s else [] for s in grid]) == [False, True, False, True]
+    assert prompt_sharers(lm, prompt_prints(lm, [hooks_for(s, LAYERS, HIDDEN) if s else [] for s in grid])) == [False, True, False, True]
     reqs = prompts(6)
     got = run(lm, Job(kind="generate", grid=tuple(grid)), reqs, batching)
     assert got == independent(lm, grid, reqs, batching)
@@ -126,9 +126,9 @@ def test_prompts_are_not_shared_when_a_block_would_not_fit_the_store(lm):
     before = store(lm).budget
     try:
         set_budget(lm, need)
-        assert prompt_sharers(lm, installs, contexts, 4) == [True, True]
+        assert prompt_sharers(lm, prompt_prints(lm, installs), contexts, 4) == [True, True]
         set_budget(lm, need - 1)
-        assert prompt_sharers(lm, installs, contexts, 4) == [False, False]
+        assert prompt_sharers(lm, prompt_prints(lm, installs), contexts, 4) == [False, False]
         assert grid_generate(lm, grid, reqs, batching) == independent(lm, grid, reqs, batching)
     finally:
         set_budget(lm, before)
@@ -214,7 +214,7 @@ def test_sweep_at_every_layer_equals_independent_runs(lm, positions):
     if positions in ("all", "prompt"):  # the staged path ran for every split but 0
         installs = [hooks_for(s, LAYERS, HIDDEN) if s else [] for s in grid]
         contexts = [r.context for r in reqs]
-        sharers = prompt_sharers(lm, installs, contexts, 4)  # the baseline's prompt KV is split 4's unsteered one
+        sharers = prompt_sharers(lm, prompt_prints(lm, installs), contexts, 4)  # the baseline's prompt KV is split 4's unsteered one
         assert staged_splits(lm, installs, sharers, contexts, 4) == [4, 0, 0, 1, 1, 1, 1, 2, 2, 4, 4, 1]
     pairs = scoring_pairs(9)
     scored = run(lm, Job(kind="loglikelihood", grid=tuple(grid)), pairs, batching)

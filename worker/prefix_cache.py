@@ -206,16 +206,13 @@ def fits(lm: Any, contexts: Sequence[tuple] = (), block: int = 1, copies: int = 
     return store(lm).budget > 0 and copies * sum(longest) * kv_bytes_per_token(lm) <= store(lm).budget
 
 
-def prompt_sharers(lm: Any, installs: Sequence[list], contexts: Sequence[tuple] = (), block: int = 1,
-                   prints: Sequence[str | None] | None = None) -> list[bool]:
-    """Per configuration (its hooks), whether another one acts the same on every prompt position (the same
-    fingerprint: e.g. both steer only `continuation` or `last` positions), so their prompts' KV is the same
-    and worth storing for each other. Never with the store off, nor when the `block` longest of `contexts` would
-    not fit in it at once (sharing would then evict each prompt before the next configuration reads it).
-    `prints`: the configurations' `prompt_prints`, when the caller has them."""
+def prompt_sharers(lm: Any, prints: Sequence[str | None], contexts: Sequence[tuple] = (), block: int = 1) -> list[bool]:
+    """Per configuration (its `prompt_prints` fingerprint), whether another one acts the same on every prompt
+    position (e.g. both steer only `continuation` or `last` positions), so their prompts' KV is the same and worth
+    storing for each other. Never with the store off, nor when the `block` longest of `contexts` would not fit in
+    it at once (sharing would then evict each prompt before the next configuration reads it)."""
     if not fits(lm, contexts, block):
-        return [False] * len(installs)
-    prints = prompt_prints(lm, installs) if prints is None else prints
+        return [False] * len(prints)
     return [f is not None and prints.count(f) > 1 for f in prints]
 
 

@@ -42,7 +42,7 @@ def grid_generate(
     installs = _installs(lm, steerings)
     contexts = [r.context for r in requests]
     prints = prompt_prints(lm, installs)
-    sharers = prompt_sharers(lm, installs, contexts, batching.batch_size, prints)
+    sharers = prompt_sharers(lm, prints, contexts, batching.batch_size)
     splits = staged_splits(lm, installs, sharers, contexts, batching.batch_size)
     prints = [f if share else None for f, share in zip(prints, sharers)]  # the fingerprints that share
     results: list[list[Any]] = [[None] * len(installs) for _ in requests]
