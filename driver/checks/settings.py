@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import click
 
 DTYPES = ("float32", "float16", "bfloat16")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -37,23 +40,38 @@ def _at(where: str, value: Any) -> str:
 
 # --- one value -----------------------------------------------------------------------------------------------
 
+# Numbers as a user writes them: ASCII digits only. Python's int() and float() also read `1_0` as 10 and other
+# scripts' digits (Arabic-Indic "٣" as 3): a typo or a pasted glyph must be refused, not read as another number.
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def as_written(value: Any, pattern: re.Pattern = _DECIMAL) -> str | None:
+    """`value`'s text (stripped) if it is a number written with ASCII digits (`pattern`: _INTEGER or _DECIMAL),
+    else None; ints and floats (not bools) pass as they are."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    text = value.strip() if isinstance(value, str) else None
+    return text if text is not None and pattern.fullmatch(text) else None
+
+
+def integer(value: Any) -> int | None:
+    """An integer written with ASCII digits and an optional sign, else None (the one rule for whole numbers)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = as_written(value, _INTEGER) if isinstance(value, str) else None
+    return int(text) if text is not None else None
+
 
 def whole(where: str, value: Any, minimum: int, what: str) -> int:
     """An integer >= minimum, from an int or its text; `what` says what the number is ("rows per forward")."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise SettingError(f"{_at(where, value)}: not a whole number: give an integer >= {minimum} ({what})")
-    text = str(value).strip()
-    try:
-        number = int(text)
-    except ValueError:
-        try:
-            as_float = float(text)
-        except ValueError:
-            as_float = None
-        if as_float is not None and math.isfinite(as_float) and as_float == int(as_float):
-            number = int(as_float)
-        else:
-            raise SettingError(f"{_at(where, value)}: not a whole number: give an integer >= {minimum} ({what})") from None
+    text = as_written(value)
+    as_float = float(text) if text is not None else math.nan
+    number = integer(value)
+    if number is None and math.isfinite(as_float) and as_float == int(as_float):
+        number = int(as_float)  # "2.0", "1e3"
+    if number is None:
+        raise SettingError(f"{_at(where, value)}: not a whole number: give an integer >= {minimum} ({what}) in ASCII digits")
     if number < minimum:
         raise SettingError(f"{_at(where, number)}: too small: give an integer >= {minimum} ({what})")
     return number
@@ -61,10 +79,8 @@ def whole(where: str, value: Any, minimum: int, what: str) -> int:
 
 def number(where: str, value: Any, what: str, *, low: float = 0.0, high: float | None = None, low_open: bool = False) -> float:
     """A finite float in [low, high] ((low, high] when low_open)."""
-    try:
-        x = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        x = math.nan
+    text = as_written(value)
+    x = float(text) if text is not None else math.nan
     bounds = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
     if not math.isfinite(x) or (x <= low if low_open else x < low) or (high is not None and x > high):
         raise SettingError(f"{_at(where, value)}: {what}: give a number {bounds}")
@@ -90,6 +106,26 @@ def text(where: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise SettingError(f"{_at(where, value)}: give a non-empty text")
     return value
+
+
+class WholeNumber(click.ParamType):
+    """Click's type for an integer option, by `integer`'s rule (click.INT takes `1_0` and other scripts' digits)."""
+
+    name = "integer"
+
+    def __init__(self, low: int | None = None, high: int | None = None) -> None:
+        self.low, self.high = low, high
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        n = integer(value)
+        if n is None:
+            self.fail(f"{value!r} is not a whole number: write it in ASCII digits, e.g. 4", param, ctx)
+        if (self.low is not None and n < self.low) or (self.high is not None and n > self.high):
+            self.fail(f"{n} is not in the range {self.low}..{self.high}", param, ctx)
+        return n
+
+
+WHOLE = WholeNumber()
 
 
 # --- the flags of `driver run` / `driver vectors` --------------------------------------------------------------
@@ -133,10 +169,10 @@ def limit(value: str | None) -> float | int | None:
     if value is None:
         return None
     allowed = "give a whole number of documents per task (>= 1), or a fraction between 0 and 1"
-    try:
-        x = float(value)
-    except ValueError:
-        raise SettingError(f"--limit {value}: not a number ({allowed})") from None
+    text = as_written(value)
+    if text is None:
+        raise SettingError(f"--limit {value}: {allowed}, in ASCII digits")
+    x = float(text)
     if not math.isfinite(x) or x <= 0:
         raise SettingError(f"--limit {value}: {allowed}")
     if x < 1:

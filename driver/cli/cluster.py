@@ -13,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from driver.checks import settings
+
 # What `ray start` needs on every Mac of a `ray up` cluster (checked by `check`; deploy/README.md says why).
 START_NEEDS = {
     "--resources": "--resources='{\"mlx\": 1}' (Orchard places one worker per `mlx` unit)",
@@ -47,8 +49,8 @@ def _describe(state: dict, alive: int | None = None) -> None:
 
 
 @cluster.command()
-@click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 32), help="Ray nodes, one `mlx` unit each.")
-@click.option("--cpus", default=1, show_default=True, type=click.IntRange(1, 256), help="CPUs each node offers Ray.")
+@click.option("--nodes", default=3, show_default=True, type=settings.WholeNumber(1, 32), help="Ray nodes, one `mlx` unit each.")
+@click.option("--cpus", default=1, show_default=True, type=settings.WholeNumber(1, 256), help="CPUs each node offers Ray.")
 def up(nodes: int, cpus: int) -> None:
     """Start N `ray start` nodes on 127.0.0.1 with token authentication; print the address for --address."""
     from cluster import ClusterError, local

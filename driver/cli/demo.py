@@ -15,7 +15,7 @@ from driver.cli.run import GROUP_HELP, SPLIT_HELP, run
 
 
 @click.command()
-@click.option("--workers", default=4, show_default=True, type=int, help="Workers on the embedded local Ray.")
+@click.option("--workers", default=4, show_default=True, type=settings.WHOLE, help="Workers on the embedded local Ray.")
 @click.option(
     "--dir",
     "folder",

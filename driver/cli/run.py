@@ -44,10 +44,10 @@ SPLIT_HELP = "How a group splits the model: pipeline (layer ranges per node), te
 )
 @click.option("--group-size", "--group_size", "group_size", default="1", show_default=True, help=GROUP_HELP)
 @click.option("--split", "split", default="auto", show_default=True, help=SPLIT_HELP)
-@click.option("--num-fewshot", "--num_fewshot", "num_fewshot", type=int, default=None, help="Few-shot examples per question.")
+@click.option("--num-fewshot", "--num_fewshot", "num_fewshot", type=settings.WHOLE, default=None, help="Few-shot examples per question.")
 @click.option("--limit", default=None, help="Documents per task: a count, or a fraction if < 1 (for testing).")
 @click.option("--batch-size", "--batch_size", "batch_size", default="32", show_default=True, help="Rows per forward pass on a worker.")
-@click.option("--max-length", "--max_length", "max_length", type=int, default=None, help="Context window (default: the model's).")
+@click.option("--max-length", "--max_length", "max_length", type=settings.WHOLE, default=None, help="Context window (default: the model's).")
 @click.option(
     "--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16,revision=main."
 )
@@ -70,7 +70,7 @@ SPLIT_HELP = "How a group splits the model: pipeline (layer ranges per node), te
     default=None,
     help="Result cache folder: a rerun reuses every finished request. Default: OUTPUT_PATH/cache.",
 )
-@click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
+@click.option("--threads", type=settings.WHOLE, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
 @click.option("--dashboard", is_flag=True, help="Start Ray's dashboard with the embedded Ray (off by default).")
 @click.option("--steer", default=None, help="Steering spec (YAML/JSON): interventions active for every request.")
 @click.option("--stage", is_flag=True, help="Copy the model to every node first (driver stage); workers load that copy.")

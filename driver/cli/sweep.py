@@ -26,7 +26,7 @@ from driver.lm.evaluation import on_workers
     "--output", default=None, type=click.Path(file_okay=False), help="Output folder. Default: orchard-out/<sweep file name>."
 )
 @click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: OUTPUT/cache.")
-@click.option("--threads", type=int, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
+@click.option("--threads", type=settings.WHOLE, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
 @click.option("--stage", is_flag=True, help="Copy the model to every node first (driver stage); workers load that copy.")
 @click.option("--group-size", "--group_size", "group_size", default=None, help=f"{GROUP_HELP} Default: the file's model.group_size, else 1.")
 @click.option("--split", default=None, help=f"{SPLIT_HELP} Default: the file's model.split, else auto.")
