@@ -44,3 +44,16 @@ def test_every_int_option_refuses_them_in_one_line_exit_2(llama_path, tasks_dir,
     assert code == 2, output
     assert "Traceback" not in output and text in output
     assert "Ray" not in output and "loading" not in output.lower()
+
+
+def test_a_pipeline_of_a_family_whose_blocks_it_cannot_find_is_refused_before_ray():
+    from driver.checks.errors import BadUsage
+    from driver.checks.groups import check_split
+
+    mamba = {"model_type": "mamba", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "state_size": 8,
+             "num_hidden_layers": 4, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True, "time_step_rank": 4,
+             "tie_word_embeddings": True}  # fmt: skip
+    with pytest.raises(BadUsage, match="^a pipeline split cannot find the list of decoder blocks of mlx-lm's mamba model"):
+        check_split(mamba, 2, "pipeline")
+    check_split({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64,
+                 "num_attention_heads": 4, "rms_norm_eps": 1e-5, "vocab_size": 100}, 2, "pipeline")  # fmt: skip

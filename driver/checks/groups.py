@@ -52,9 +52,29 @@ def check_split(config: dict, size: int, split: str) -> None:
     """worker.split.check's line (heads not divisible, more ranks than layers, a family without shard)."""
     from worker.split import check
 
-    problem = check(config, size, split)
+    problem = check(config, size, split) or (split == "pipeline" and _blocks_problem(config))
     if problem:
         raise BadUsage(problem)
+
+
+def _blocks_problem(config: dict) -> str | None:
+    """Why a pipeline cannot find this model's list of decoder blocks, looked for on its weightless skeleton
+    (worker.hooks.skeleton) as the split looks for it on the loaded model; None if found, or if the skeleton
+    cannot be built here (each rank then checks as it loads)."""
+    try:
+        from worker.hooks import decoder_layers
+        from worker.hooks.skeleton import skeleton
+        from worker.split.pipeline import _holder
+
+        model = skeleton(config)
+    except Exception:  # noqa: BLE001 - no MLX here, or a family mlx-lm cannot build from its config alone
+        return None
+    try:
+        _holder(model, decoder_layers(model))
+    except Exception:  # noqa: BLE001 - its blocks are not a list the split can cut (e.g. mamba's backbone)
+        return (f"a pipeline split cannot find the list of decoder blocks of mlx-lm's {config.get('model_type', 'model')} "
+                "model: use --group-size 1")  # fmt: skip
+    return None
 
 
 def nodes_memory(address: str | None) -> tuple[list[float], str]:

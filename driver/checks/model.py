@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from driver.checks.errors import Refused
+from driver.checks.errors import BadUsage, Refused
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model", "spiece.model")
 _HUB_SMALL_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -139,7 +139,7 @@ def check_heads_split(steering, grouping) -> None:
 
     heads = [iv for iv in (steering.interventions if steering else ()) if iv.site in HEAD_SITES]
     if heads and grouping.size > 1 and grouping.split == "tensor":
-        raise Refused(f"{heads[0].site} steering on a tensor-split group: each node holds only some heads of every layer: use --split pipeline")
+        raise BadUsage(f"{heads[0].site} steering on a tensor-split group: each node holds only some heads of every layer: use --split pipeline")
 
 
 def check_site(config: dict, site: str, layers) -> None:
