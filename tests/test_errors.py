@@ -368,7 +368,7 @@ STEERING_ROWS: list[Case] = [  # steering specs, vectors, pairs
          setup=_head_spec("interventions:\n  - {layer: 0, site: attn_head, vector: h.npy}\n")),
     Case("steer attn_head hidden-size vector", "run", [], 1, "interventions[0].vector: has 64 values but attn_head takes head_dim = 16 values",
          setup=_head_spec("interventions:\n  - {layer: 1, site: attn_head, head: 2, vector: v.npy}\n")),
-    Case("steer attn_head tensor split", "run", ["--group-size", "2", "--split", "tensor"], 1,
+    Case("steer attn_head tensor split", "run", ["--group-size", "2", "--split", "tensor"], 2,
          "attn_head steering on a tensor-split group: each node holds only some heads of every layer: use --split pipeline",
          setup=_head_spec("interventions:\n  - {layer: 1, site: attn_head, head: 2, vector: h.npy}\n")),
     Case("vectors heads out of range", "vectors", [*VEC, "--site", "attn_head", "--heads", "0,9"], 2,
