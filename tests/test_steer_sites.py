@@ -343,12 +343,12 @@ def test_mlx_ray_refuses_attn_head_on_a_tensor_split_before_ray_starts(stories_p
     while the model is set up: before Ray starts or any worker loads."""
     import ray
 
-    from driver.checks.errors import Refused
+    from driver.checks.errors import BadUsage
     from driver.lm.mlx_ray import MLXRayLM
 
     np.save(tmp_path / "h.npy", np.ones(8, np.float32))  # stories: 8 heads of 8
     spec = {"interventions": [{"layer": 1, "site": "attn_head", "head": 0, "vector": str(tmp_path / "h.npy")}]}
     started = ray.is_initialized()
-    with pytest.raises(Refused, match=r"^attn_head steering on a tensor-split group: .*use --split pipeline$"):
+    with pytest.raises(BadUsage, match=r"^attn_head steering on a tensor-split group: .*use --split pipeline$"):
         MLXRayLM(pretrained=str(stories_path), steer=spec, group_size=2, split="tensor", address="local")
     assert ray.is_initialized() == started
