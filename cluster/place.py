@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -19,10 +20,11 @@ def parse_workers(value: int | str) -> int | str:
     """`--workers`: a positive count, or "all" (every `mlx` node)."""
     if str(value).strip().lower() == "all":
         return "all"
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ClusterError(f"--workers {value!r} is not a number: pass a count such as 4, or all") from None
+    text = str(value).strip()
+    if not (isinstance(value, (int, str)) and not isinstance(value, bool) and re.fullmatch(r"[+-]?[0-9]+", text)):
+        # ASCII digits only, as driver.checks.settings.integer: int() would read `1_0` as 10 and "٣" as 3
+        raise ClusterError(f"--workers {value!r} is not a number: pass a count such as 4 (ASCII digits), or all")
+    n = int(text)
     if n < 1:
         raise ClusterError(f"--workers {n}: at least 1 worker is needed (or pass all for every mlx node)")
     return n

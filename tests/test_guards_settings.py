@@ -57,3 +57,19 @@ def test_a_pipeline_of_a_family_whose_blocks_it_cannot_find_is_refused_before_ra
         check_split(mamba, 2, "pipeline")
     check_split({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64,
                  "num_attention_heads": 4, "rms_norm_eps": 1e-5, "vocab_size": 100}, 2, "pipeline")  # fmt: skip
+
+
+@pytest.mark.parametrize("text", ["1_0", "\u0663", True])
+def test_the_worker_count_itself_takes_ascii_digits_only(text):
+    """cluster.parse_workers is what every path reads --workers / model_args workers= with (mlx-ray too)."""
+    from cluster import ClusterError, parse_workers
+
+    with pytest.raises(ClusterError, match="is not a number: pass a count such as 4"):
+        parse_workers(text)
+    assert parse_workers(" 3 ") == 3 and parse_workers(2) == 2 and parse_workers("ALL") == "all"
+
+
+@pytest.mark.parametrize(("value", "says"), [("0", "0 is too small: give at least 1"), ("33", "33 is too large: give at most 32")])
+def test_a_bounded_option_names_the_bound_it_breaks(value, says):
+    code, output = _run("cluster", "up", "--nodes", value)  # refused while parsing: nothing starts
+    assert code == 2 and says in output, output

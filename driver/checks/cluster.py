@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from driver.checks.errors import BadUsage, Refused
-from driver.checks.settings import integer
 
 
 def check_workers(workers: str, address: str | None = None, model: str | None = None, group_size: int = 1) -> None:
@@ -12,8 +11,6 @@ def check_workers(workers: str, address: str | None = None, model: str | None = 
     from cluster import ClusterError, parse_workers
     from cluster.limits import check_local
 
-    if str(workers).strip().lower() != "all" and integer(workers) is None:  # int() would read 1_0 as 10
-        raise BadUsage(f"--workers {workers!r} is not a number: pass a count such as 4 (ASCII digits), or all")
     try:
         n = parse_workers(workers)
     except ClusterError as e:

@@ -58,23 +58,18 @@ def check_split(config: dict, size: int, split: str) -> None:
 
 
 def _blocks_problem(config: dict) -> str | None:
-    """Why a pipeline cannot find this model's list of decoder blocks, looked for on its weightless skeleton
-    (worker.hooks.skeleton) as the split looks for it on the loaded model; None if found, or if the skeleton
-    cannot be built here (each rank then checks as it loads)."""
+    """Why a pipeline cannot cut this model's decoder blocks, asked of its weightless skeleton; None if it can, or
+    if the skeleton cannot be built here (each rank then checks as it loads)."""
     try:
-        from worker.hooks import decoder_layers
         from worker.hooks.skeleton import skeleton
-        from worker.split.pipeline import _holder
+        from worker.split.pipeline import unsplittable
 
         model = skeleton(config)
     except Exception:  # noqa: BLE001 - no MLX here, or a family mlx-lm cannot build from its config alone
         return None
-    try:
-        _holder(model, decoder_layers(model))
-    except Exception:  # noqa: BLE001 - its blocks are not a list the split can cut (e.g. mamba's backbone)
-        return (f"a pipeline split cannot find the list of decoder blocks of mlx-lm's {config.get('model_type', 'model')} "
-                "model: use --group-size 1")  # fmt: skip
-    return None
+    if unsplittable(model) is None:
+        return None
+    return f"a pipeline split cannot find the list of decoder blocks of mlx-lm's {config.get('model_type', 'model')} model: use --group-size 1"
 
 
 def nodes_memory(address: str | None) -> tuple[list[float], str]:

@@ -120,8 +120,10 @@ class WholeNumber(click.ParamType):
         n = integer(value)
         if n is None:
             self.fail(f"{value!r} is not a whole number: write it in ASCII digits, e.g. 4", param, ctx)
-        if (self.low is not None and n < self.low) or (self.high is not None and n > self.high):
-            self.fail(f"{n} is not in the range {self.low}..{self.high}", param, ctx)
+        if self.low is not None and n < self.low:
+            self.fail(f"{n} is too small: give at least {self.low}", param, ctx)
+        if self.high is not None and n > self.high:
+            self.fail(f"{n} is too large: give at most {self.high}", param, ctx)
         return n
 
 

@@ -77,6 +77,15 @@ def _holder(model: Any, blocks: list) -> tuple[Any, str]:
     raise ValueError(f"{type(model).__name__}: cannot find the list holding its decoder blocks to split it")
 
 
+def unsplittable(model: Any) -> str | None:
+    """Why `split` could not cut this model's blocks (None if it can): asked of a weightless skeleton before Ray."""
+    try:
+        _holder(model, decoder_layers(model))
+    except ValueError as e:  # no list of blocks (decoder_layers), or none that the model holds (_holder)
+        return str(e)
+    return None
+
+
 def _local_indices(inner: Any, kept: list) -> None:
     """Families that index the cache list by a layer kind (llama: fa_idx, swa_idx) index the LOCAL list now."""
     if isinstance(getattr(inner, "fa_idx", None), int):
