@@ -240,3 +240,35 @@ def test_an_sae_of_another_site_or_a_pickle_is_refused(tmp_path):
     (tmp_path / "steer.pt").write_bytes(b"\x80\x04pickle")
     with pytest.raises(SteeringError, match=r"steer.pt: a pickled steering file .*`driver steer convert .*steer.pt`"):
         load_steering(tmp_path / "steer.pt")
+
+
+def test_driver_steer_convert_reads_lm_evals_pt_as_the_csv_it_came_from(llama_path, tmp_path):
+    """The .pt given to lm-eval in the CSV test above, converted (torch.load weights_only=True), is the CSV's steering;
+    a .pt holding code is refused by weights_only, in one line, with nothing written."""
+    from click.testing import CliRunner
+
+    from driver.cli import main
+
+    config = json.loads((llama_path / "config.json").read_text())
+    (w1, b1), (w2, b2) = decoder(1, 64), decoder(2, 64)
+    write_sparsify(tmp_path / "sp" / "layers.1", w1, b1)
+    write_sae_lens(tmp_path / "sl", w2, b2, "blocks.0.hook_attn_out")
+    (tmp_path / "s.csv").write_text(HEADER + "sparsify,clamp,sp,layers.1,5,3.0,,,,\nsae_lens,add,sl,layers.0.self_attn,7,-2.0,,,,\n")
+    torch.save({"layers.1": {"action": "clamp", "steering_vector": torch.tensor(w1[5]), "steering_coefficient": 3.0, "bias": torch.tensor(b1)},
+                "layers.0.self_attn": {"action": "add", "steering_vector": torch.tensor(w2[7]), "steering_coefficient": -2.0}},
+               tmp_path / "s.pt")  # fmt: skip
+    result = CliRunner().invoke(main, ["steer", "convert", str(tmp_path / "s.pt"), "--out", str(tmp_path / "conv")])
+    assert result.exit_code == 0, result.output
+    converted = for_model(tmp_path / "conv" / "steer.yaml", config).steering.interventions
+    from_csv = for_model(tmp_path / "s.csv", config).steering.interventions
+    for a, b in zip(converted, from_csv, strict=True):
+        assert a.model_dump(exclude={"alpha"}) == b.model_dump(exclude={"alpha"}) and abs(a.alpha - b.alpha) <= 1e-9
+
+    class Code:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    torch.save({"layers.1": Code()}, tmp_path / "evil.pt")
+    result = CliRunner().invoke(main, ["steer", "convert", str(tmp_path / "evil.pt")])
+    assert result.exit_code == 1 and "not a plain steering file" in result.output and "ran" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "evil").exists()

@@ -141,7 +141,7 @@ def _explain(err: dict) -> str:
     if kind == "literal_error":
         return f"{short(value)} is not allowed (use one of: {', '.join(_ALLOWED.get(name, ()))})"
     if kind == "vector_form":
-        return f"must be a path to a .npy file, {{file: ..., key: ...}} or {{sae: FOLDER, feature: N}}, not {short(value)}"
+        return f"must be a path to a .npy file or {{file: ..., key: ...}} (an SAE feature: {{sae: FOLDER, feature: N}}), not {short(value)}"
     return explain(err, list_of="a list of interventions")
 
 
