@@ -272,3 +272,38 @@ def test_driver_steer_convert_reads_lm_evals_pt_as_the_csv_it_came_from(llama_pa
     result = CliRunner().invoke(main, ["steer", "convert", str(tmp_path / "evil.pt")])
     assert result.exit_code == 1 and "not a plain steering file" in result.output and "ran" not in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "evil").exists()
+
+
+# --- sweeps: a features axis --------------------------------------------------------------------------------
+
+
+def test_a_sweep_over_sae_features_equals_plain_steered_runs_of_each_feature(ray_cluster, llama_path, tasks_dir, tmp_path):
+    """vectors: {sae: RUN, features: [2, 5]} over layers 0 and 1 (a sparsify run: the layers.L folder of each layer)
+    × alphas: every configuration equals a plain steered run of `vector: {sae, feature}`; an SAE of another width is
+    refused in one line (exit 1, as every unusable file a sweep names) before any worker."""
+    from test_sweep import assert_equals_plain_runs, site_study, sweep_cli
+
+    from driver.sweep import report
+
+    folder = tmp_path / "study"
+    sweep = site_study(folder, llama_path, tasks_dir, "[resid_post]", {"unused.0": np.zeros(64, np.float32)})
+    for layer in (0, 1):
+        write_sparsify(folder / "run" / f"layers.{layer}", *decoder(10 + layer, 64))
+    sweep.write_text(sweep.read_text().replace("  v: {file: v.safetensors, normalize: true}", "  feat: {sae: run, features: [2, 5]}"))
+    out = tmp_path / "out"
+    code, output = sweep_cli(sweep, "--workers", 2, "--output", out)
+    assert code == 0, output
+    rows = report.read_csv(out / "results.csv")
+    assert {(r["vector"], r["layer"], r["alpha"]) for r in rows if r["config"] != "baseline"} == {
+        (f"feat-f{f}", layer, a) for f in (2, 5) for layer in (0, 1) for a in (-2.0, 2.0)}
+
+    def spec_of(r: dict) -> dict:
+        return {"layer": r["layer"], "alpha": r["alpha"], "vector": {"sae": "run", "feature": int(r["vector"].rpartition("-f")[2])}}
+
+    diffs = assert_equals_plain_runs(rows, sweep, spec_of)
+    assert len({round(d, 4) for d in diffs.values()}) == len(diffs)  # every feature, layer and alpha moved the score
+    write_sparsify(folder / "narrow" / "layers.0", *decoder(3, 32))
+    write_sparsify(folder / "narrow" / "layers.1", *decoder(3, 32))
+    sweep.write_text(sweep.read_text().replace("{sae: run,", "{sae: narrow,"))
+    code, output = sweep_cli(sweep, "--output", tmp_path / "out2")
+    assert code == 1 and "32 wide (d_in) but the model's hidden size is 64" in output and len(output.strip().splitlines()) == 1, output
