@@ -181,7 +181,7 @@ def test_sae_files_the_libraries_save_themselves_read_as_their_tensors(tmp_path)
         coder.b_dec.normal_()
     coder.save_to_disk(tmp_path / "layers.1")
     sae = read_sae(tmp_path / "layers.1")
-    assert np.array_equal(sae.W_dec, coder.W_dec.detach().numpy()) and np.array_equal(sae.b_dec, coder.b_dec.detach().numpy())
+    assert np.array_equal(sae.decoder(), coder.W_dec.detach().numpy()) and np.array_equal(sae.b_dec, coder.b_dec.detach().numpy())
     assert sae.site == ("resid_post", 1)
     try:
         from sae_lens import StandardSAE, StandardSAEConfig
@@ -194,7 +194,7 @@ def test_sae_files_the_libraries_save_themselves_read_as_their_tensors(tmp_path)
         lens.b_dec.normal_()
     lens.save_model(tmp_path / "lens")
     sae = read_sae(tmp_path / "lens")
-    assert np.array_equal(sae.W_dec, lens.W_dec.detach().numpy()) and sae.site == ("mlp_out", 1)
+    assert np.array_equal(sae.decoder(), lens.W_dec.detach().numpy()) and sae.site == ("mlp_out", 1)
 
 
 # --- bad input: one line each, before any worker ------------------------------------------------------------
@@ -217,7 +217,7 @@ def bad_csv(tmp_path: Path, body: str, header: str = HEADER) -> str:
     (HEADER, "sparsify,ablate,sp,layers.1,3,1.0,,,,\n", r"line 2: action: 'ablate' is not an action"),
     (HEADER, "sparsify,add,sp,layers.1,12,1.0,,,,\n", r"line 2: feature_index: .*feature 12 is past the SAE's 12 features \(use 0..11\)"),
     (HEADER, "sparsify,add,sp,layers.0,3,1.0,,,,\n", r"line 2: sparse_model: the SAE at .* is 32 wide \(d_in\) but the model.s hidden size is 64"),
-    (HEADER, "sparsify,add,sp,layers.0.mlp,3,1.0,,,,\n", r"line 2: sparse_model: .*the decoder holds 1 NaN/inf value"),
+    (HEADER, "sparsify,add,sp,layers.0.mlp,3,1.0,,,,\n", r"line 2: feature_index: .*feature 3.s decoder row holds 1 NaN/inf value"),
     (HEADER, "sparsify,add,sp,layers.1,3,1.0,,,,\nsparsify,clamp,sp,layers.1,4,1.0,,,,\n", r"line 3: hookpoint: steers the same place as line 2"),
     (HEADER, "sparsify,add,sp,blocks.1.resid,3,1.0,,,,\n", r"line 2: hookpoint: 'blocks.1.resid' is not a hook point"),
     (HEADER, "sparsify,add,sp,layers.1,3,big,,,,\n", r"line 2: steering_coefficient: 'big' is not a finite number"),

@@ -63,37 +63,64 @@ def same_site(a: tuple[str, int], b: tuple[str, int]) -> bool:
 
 @dataclass(frozen=True)
 class Sae:
-    """An SAE's decoder: one row per feature (float32 [d_sae, d_in]), its b_dec ([d_in] or None), where it reads."""
+    """An SAE's decoder, read a feature at a time (a 131k-feature SAE is gigabytes; a feature is one row):
+    `shape` (d_sae, d_in), its b_dec ([d_in] or None), where it reads. `key` holds the decoder in `file`."""
 
     path: Path
     layout: str
-    W_dec: np.ndarray
+    file: Path
+    key: str
+    shape: tuple[int, int]
     b_dec: np.ndarray | None
     hook_name: str | None
 
     @property
     def width(self) -> int:
-        return int(self.W_dec.shape[1])
+        return self.shape[1]
 
     @property
     def site(self) -> tuple[str, int] | None:
         return site_of(self.hook_name) if self.hook_name else None
 
+    def _read(self, index):
+        from safetensors import safe_open
+
+        with safe_open(str(self.file), framework="np") as f:
+            part = f.get_slice(self.key)
+            return part[:, index] if self.layout == "goodfire" else part[index]  # Goodfire's is an nn.Linear: [d_in, d_sae]
+
     def feature(self, index: int) -> np.ndarray:
-        n = self.W_dec.shape[0]
+        """Feature `index`'s decoder direction, float32 [d_in], checked finite."""
+        n = self.shape[0]
         if not 0 <= index < n:
             raise SaeError(f"{self.path}: feature {index} is past the SAE's {n} features (use 0..{n - 1})")
-        return self.W_dec[index]
+        try:
+            row = np.ascontiguousarray(self._read(index), dtype=np.float32).reshape(-1)
+        except Exception as e:  # safetensors' own errors (bfloat16 for numpy, a truncated file, ...)
+            raise SaeError(f"{self.file}: cannot read {self.key} ({type(e).__name__}: {e}); save the SAE in float32") from None
+        bad = int((~np.isfinite(row)).sum())
+        if bad:
+            raise SaeError(f"{self.path}: feature {index}'s decoder row holds {bad} NaN/inf value(s); this SAE file is damaged")
+        return row
+
+    def decoder(self) -> np.ndarray:
+        """The whole decoder as [d_sae, d_in] float32 (every feature: for small SAEs and tests)."""
+        whole = self._read(slice(None))
+        return np.ascontiguousarray(whole.T if self.layout == "goodfire" else whole, dtype=np.float32)
 
 
-def _tensors(path: Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _header(file: Path, key: str, bias: str) -> tuple[tuple, np.ndarray | None]:
+    """((the decoder's shape, its dtype), b_dec) without reading the decoder."""
     from safetensors import safe_open
 
     try:
-        with safe_open(str(path), framework="np") as f:
-            return {k: f.get_tensor(k) for k in names if k in f.keys()}
+        with safe_open(str(file), framework="np") as f:
+            names = set(f.keys())
+            part = f.get_slice(key) if key in names else None
+            b = f.get_tensor(bias) if bias in names else None
+            return ((tuple(part.get_shape()), str(part.get_dtype())) if part is not None else (None, None)), b
     except Exception as e:  # safetensors' own errors (bad header, bfloat16 for numpy, ...)
-        raise SaeError(f"{path}: not a readable .safetensors file of float tensors ({type(e).__name__}: {e})") from None
+        raise SaeError(f"{file}: not a readable .safetensors file of float tensors ({type(e).__name__}: {e})") from None
 
 
 def _cfg(path: Path) -> dict:
@@ -106,22 +133,21 @@ def _cfg(path: Path) -> dict:
     return cfg
 
 
-def _checked(path: Path, layout: str, w: np.ndarray | None, b: np.ndarray | None, hook: str | None) -> Sae:
-    if w is None:
-        raise SaeError(f"{path}: no decoder weights (a {layout} SAE keeps them as "
-                       f"{'decoder_linear.weight' if layout == 'goodfire' else 'W_dec'}); was it saved without its decoder?")  # fmt: skip
-    if w.ndim != 2 or not np.issubdtype(w.dtype, np.floating):
-        raise SaeError(f"{path}: the decoder is {w.dtype} of shape {w.shape}, not a 2-D float matrix")
-    w = np.ascontiguousarray(w.T if layout == "goodfire" else w, dtype=np.float32)
+def _checked(path: Path, layout: str, file: Path, hook: str | None) -> Sae:
+    key, bias = ("decoder_linear.weight", "decoder_linear.bias") if layout == "goodfire" else ("W_dec", "b_dec")
+    (shape, dtype), b = _header(file, key, bias)
+    if shape is None:
+        raise SaeError(f"{file}: no decoder weights (a {layout} SAE keeps them as {key}); was it saved without its decoder?")
+    if len(shape) != 2 or not dtype.upper().startswith(("F", "BF")):
+        raise SaeError(f"{file}: the decoder {key} is {dtype} of shape {list(shape)}, not a 2-D float matrix")
+    shape = (shape[1], shape[0]) if layout == "goodfire" else (shape[0], shape[1])
     if b is not None:
         b = np.ascontiguousarray(b, dtype=np.float32).reshape(-1)
-        if b.shape[0] != w.shape[1]:
-            raise SaeError(f"{path}: b_dec has {b.shape[0]} values but the decoder writes {w.shape[1]}")
-    for name, array in (("the decoder", w), ("b_dec", b)):
-        bad = 0 if array is None else int((~np.isfinite(array)).sum())
-        if bad:
-            raise SaeError(f"{path}: {name} holds {bad} NaN/inf value(s); this SAE file is damaged, use a finite one")
-    return Sae(path, layout, w, b, hook)
+        if b.shape[0] != shape[1]:
+            raise SaeError(f"{file}: {bias} has {b.shape[0]} values but the decoder writes {shape[1]}")
+        if not np.isfinite(b).all():
+            raise SaeError(f"{file}: {bias} holds {int((~np.isfinite(b)).sum())} NaN/inf value(s); this SAE file is damaged")
+    return Sae(path, layout, file, key, shape, b, hook)
 
 
 def _hook_name(cfg: dict) -> str | None:
@@ -134,20 +160,17 @@ def read_sae(path: str | Path, hookpoint: str | None = None) -> Sae:
     """The SAE at `path` (a folder, or a Goodfire .safetensors file); `hookpoint` picks one folder of a sparsify run."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".safetensors":
-        t = _tensors(path, ("decoder_linear.weight", "decoder_linear.bias"))
-        return _checked(path, "goodfire", t.get("decoder_linear.weight"), t.get("decoder_linear.bias"), None)
+        return _checked(path, "goodfire", path, None)
     if path.is_file() and path.suffix.lower() in (".pt", ".pth", ".bin", ".pkl"):
         raise SaeError(f"{path}: a pickle-based file, which Orchard never loads (unpickling can run code); "
                        "convert it with `driver steer convert` to .safetensors")  # fmt: skip
     if not path.is_dir():
         raise SaeError(f"{path}: no such SAE folder (Orchard reads SAEs from local folders: download it first)")
     if (path / "sae_weights.safetensors").is_file():
-        t = _tensors(path / "sae_weights.safetensors", ("W_dec", "b_dec"))
         hook = _hook_name(_cfg(path / "cfg.json")) if (path / "cfg.json").is_file() else None
-        return _checked(path, "sae_lens", t.get("W_dec"), t.get("b_dec"), hook)
+        return _checked(path, "sae_lens", path / "sae_weights.safetensors", hook)
     if (path / "sae.safetensors").is_file():
-        t = _tensors(path / "sae.safetensors", ("W_dec", "b_dec"))
-        return _checked(path, "sparsify", t.get("W_dec"), t.get("b_dec"), path.name if site_of(path.name) else None)
+        return _checked(path, "sparsify", path / "sae.safetensors", path.name if site_of(path.name) else None)
     if hookpoint and (path / hookpoint).is_dir():
         return read_sae(path / hookpoint)
     goodfire = sorted(path.glob("*.safetensors"))
@@ -199,6 +222,6 @@ def feature_vector(ref, site: str, layer: int | None, base: Path, fail) -> tuple
         u = vector.astype(np.float64) / np.linalg.norm(vector.astype(np.float64))
         shift = float(sae.b_dec.astype(np.float64) @ u)
     record = {"path": str(sae.path), "key": f"feature {ref.feature}", "layout": sae.layout, "hook_name": sae.hook_name,
-              "feature": ref.feature, "d_sae": int(sae.W_dec.shape[0]), "d_in": sae.width, "about_b_dec": ref.about_b_dec,
+              "feature": ref.feature, "d_sae": sae.shape[0], "d_in": sae.width, "about_b_dec": ref.about_b_dec,
               "b_dec_projection": shift if ref.about_b_dec else None}  # fmt: skip
     return vector, record, shift

@@ -202,7 +202,10 @@ def _sae_vector(iv: InterventionSpec, shape: tuple, base: Path, fail) -> tuple[n
     if hidden and iv.site != "attn_head" and vector.size != hidden:
         raise fail(f"the SAE at {record['path']} is {vector.size} wide (d_in) but the model's hidden size is {hidden}: "
                    "use an SAE trained on this model", ".sae")
-    return _checked(vector, iv, fail), record
+    vector = _checked(vector, iv, fail)
+    record.update(sha256=hashlib.sha256(vector.tobytes()).hexdigest(), norm=float(np.linalg.norm(vector.astype(np.float64))),
+                  length=int(vector.size), file_sha256=None, metadata=None)  # the keys every vector's record has
+    return vector, record
 
 
 def _checked(array: np.ndarray, iv: InterventionSpec, fail) -> np.ndarray:
