@@ -307,3 +307,20 @@ def test_a_sweep_over_sae_features_equals_plain_steered_runs_of_each_feature(ray
     sweep.write_text(sweep.read_text().replace("{sae: run,", "{sae: narrow,"))
     code, output = sweep_cli(sweep, "--output", tmp_path / "out2")
     assert code == 1 and "32 wide (d_in) but the model's hidden size is 64" in output and len(output.strip().splitlines()) == 1, output
+
+
+def test_driver_run_refuses_a_bad_csv_in_one_line_before_the_cluster(llama_path, tasks_dir, tmp_path):
+    """`driver run --steer FILE.csv`: a feature past the SAE's width is one `Error:` line (exit 1) naming the CSV's
+    line and column, before anything tries the (unreachable) cluster."""
+    from click.testing import CliRunner
+
+    from driver.cli import main
+
+    csv = bad_csv(tmp_path, "sparsify,add,sp,layers.1,40,1.0,,,,\n")
+    args = ["run", "--model", str(llama_path), "--tasks", "orchard_mc", "--include-path", str(tasks_dir), "--steer", csv,
+            "--address", "127.0.0.1:1", "--output-path", str(tmp_path / "out")]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 1 and len(errors) == 1, result.output
+    assert f"{csv}: line 2: feature_index:" in errors[0] and "feature 40 is past the SAE's 12 features" in errors[0]
+    assert "127.0.0.1:1" not in result.output and not (tmp_path / "out").exists()
