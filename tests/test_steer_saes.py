@@ -324,3 +324,23 @@ def test_driver_run_refuses_a_bad_csv_in_one_line_before_the_cluster(llama_path,
     assert result.exit_code == 1 and len(errors) == 1, result.output
     assert f"{csv}: line 2: feature_index:" in errors[0] and "feature 40 is past the SAE's 12 features" in errors[0]
     assert "127.0.0.1:1" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_sae_lens_head_sae_steers_its_own_head_only(llama_path, tmp_path):
+    """A sae-lens SAE of one head's hook_z (hook_head_index 2, d_in = head_dim 16) gives attn_head layer 1 head 2 its
+    feature; another head, or another layer, is refused in one line."""
+    config = json.loads((llama_path / "config.json").read_text())
+    w, b = decoder(9, 16)
+    folder = write_sae_lens(tmp_path / "z", w, b, "blocks.1.attn.hook_z")
+    cfg = json.loads((folder / "cfg.json").read_text())
+    cfg["metadata"]["hook_head_index"] = 2
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+
+    def spec(head, layer=1):
+        return {"interventions": [{"layer": layer, "site": "attn_head", "head": head, "vector": {"sae": str(folder), "feature": 1}}]}
+
+    assert np.array_equal(for_model(spec(2), config).steering.interventions[0].array(), w[1])
+    with pytest.raises(SteeringError, match=r"reads head 2 \(hook_head_index\) but the intervention steers head 3"):
+        for_model(spec(3), config)
+    with pytest.raises(SteeringError, match=r"reads blocks.1.attn.hook_z \(attn_head at layer 1\), but the intervention steers attn_head at layer 0"):
+        for_model(spec(2, layer=0), config)

@@ -73,6 +73,7 @@ class Sae:
     shape: tuple[int, int]
     b_dec: np.ndarray | None
     hook_name: str | None
+    head: int | None = None  # sae-lens `hook_head_index`: an SAE of one head's hook_z
 
     @property
     def width(self) -> int:
@@ -133,7 +134,7 @@ def _cfg(path: Path) -> dict:
     return cfg
 
 
-def _checked(path: Path, layout: str, file: Path, hook: str | None) -> Sae:
+def _checked(path: Path, layout: str, file: Path, hook: str | None, head: int | None = None) -> Sae:
     key, bias = ("decoder_linear.weight", "decoder_linear.bias") if layout == "goodfire" else ("W_dec", "b_dec")
     (shape, dtype), b = _header(file, key, bias)
     if shape is None:
@@ -147,13 +148,19 @@ def _checked(path: Path, layout: str, file: Path, hook: str | None) -> Sae:
             raise SaeError(f"{file}: {bias} has {b.shape[0]} values but the decoder writes {shape[1]}")
         if not np.isfinite(b).all():
             raise SaeError(f"{file}: {bias} holds {int((~np.isfinite(b)).sum())} NaN/inf value(s); this SAE file is damaged")
-    return Sae(path, layout, file, key, shape, b, hook)
+    return Sae(path, layout, file, key, shape, b, hook, head)
 
 
 def _hook_name(cfg: dict) -> str | None:
     meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
     name = meta.get("hook_name") or cfg.get("hook_name")
     return name if isinstance(name, str) else None
+
+
+def _head_index(cfg: dict) -> int | None:
+    meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+    head = meta.get("hook_head_index", cfg.get("hook_head_index"))
+    return head if isinstance(head, int) and not isinstance(head, bool) else None
 
 
 def read_sae(path: str | Path, hookpoint: str | None = None) -> Sae:
@@ -167,8 +174,8 @@ def read_sae(path: str | Path, hookpoint: str | None = None) -> Sae:
     if not path.is_dir():
         raise SaeError(f"{path}: no such SAE folder (Orchard reads SAEs from local folders: download it first)")
     if (path / "sae_weights.safetensors").is_file():
-        hook = _hook_name(_cfg(path / "cfg.json")) if (path / "cfg.json").is_file() else None
-        return _checked(path, "sae_lens", path / "sae_weights.safetensors", hook)
+        cfg = _cfg(path / "cfg.json") if (path / "cfg.json").is_file() else {}
+        return _checked(path, "sae_lens", path / "sae_weights.safetensors", _hook_name(cfg), _head_index(cfg))
     if (path / "sae.safetensors").is_file():
         return _checked(path, "sparsify", path / "sae.safetensors", path.name if site_of(path.name) else None)
     if hookpoint and (path / hookpoint).is_dir():
@@ -193,7 +200,7 @@ def _expected_sites(site: str, layer: int) -> list[tuple[str, int]]:
     return [(site, layer), ("attn_out", layer)] if site == "attn_head" else [(site, layer)]
 
 
-def feature_vector(ref, site: str, layer: int | None, base: Path, fail) -> tuple[np.ndarray, dict, float]:
+def feature_vector(ref, site: str, layer: int | None, base: Path, fail, head: int | None = None) -> tuple[np.ndarray, dict, float]:
     """(float32 vector, record entry, alpha shift) of `ref` = `{sae, feature, hookpoint, about_b_dec}` for an
     intervention at `site` and `layer` (resolved, or None when the model's layer count is unknown).
 
@@ -213,6 +220,8 @@ def feature_vector(ref, site: str, layer: int | None, base: Path, fail) -> tuple
     if sae.site is not None and layer is not None and not any(same_site(sae.site, s) for s in _expected_sites(site, layer)):
         raise fail(f"the SAE at {sae.path} reads {sae.hook_name} ({sae.site[0]} at layer {sae.site[1]}), but the intervention "
                    f"steers {site} at layer {layer}: use that SAE's site and layer, or the SAE of this one", ".sae")  # fmt: skip
+    if sae.head is not None and head is not None and sae.head != head:
+        raise fail(f"the SAE at {sae.path} reads head {sae.head} (hook_head_index) but the intervention steers head {head}", ".sae")
     if not vector.any():
         raise fail(f"feature {ref.feature} of the SAE at {sae.path} has an all-zero decoder row: it has no direction", ".feature")
     shift = 0.0

@@ -198,7 +198,7 @@ def _sae_vector(iv: InterventionSpec, shape: tuple, base: Path, fail) -> tuple[n
         raise fail(f"about_b_dec applies to op clamp, not {iv.op}: remove it", ".about_b_dec")
     n_layers, hidden = shape
     layer = iv.layer % n_layers if n_layers and -n_layers <= iv.layer < n_layers else iv.layer if iv.layer >= 0 else None
-    vector, record, _ = feature_vector(iv.vector, iv.site, layer, base, fail)
+    vector, record, _ = feature_vector(iv.vector, iv.site, layer, base, fail, iv.head)
     if hidden and iv.site != "attn_head" and vector.size != hidden:
         raise fail(f"the SAE at {record['path']} is {vector.size} wide (d_in) but the model's hidden size is {hidden}: "
                    "use an SAE trained on this model", ".sae")
