@@ -136,8 +136,10 @@ def test_a_head_index_row_is_attn_head_with_the_feature_and_its_b_dec_clamp(llam
     w, b = decoder(5, 16)  # head_dim 16
     write_sparsify(tmp_path / "sp" / "layers.1.self_attn", w, b)
     csv = tmp_path / "h.csv"
-    csv.write_text(HEADER + "sparsify,clamp,sp,layers.1.self_attn,3,2.5,2,,,\n")
-    got = for_model(csv, lm.config).steering
+    csv.write_text(HEADER + "sparsify,clamp,sp,layers.1.self_attn,3,2.5,2,,heads,\n")
+    loaded = for_model(csv, lm.config)
+    got = loaded.steering
+    assert loaded.record["csv_rows"] == [{"line": 2, "description": "heads"}] and loaded.record["format"] == "lm-eval steered csv"
     u = w[3].astype(np.float64) / np.linalg.norm(w[3].astype(np.float64))
     np.save(tmp_path / "v.npy", w[3])
     spec = {"interventions": [{"layer": 1, "site": "attn_head", "head": 2, "op": "clamp", "alpha": 2.5 + float(b @ u), "vector": str(tmp_path / "v.npy")}]}

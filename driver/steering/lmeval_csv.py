@@ -121,8 +121,8 @@ def _row(path: Path, line: int, row: dict[str, str]) -> dict:
     return {"layer": layer, "site": site, "op": action, "alpha": alpha, "vector": vector, **({} if head is None else {"head": head})}
 
 
-def read_csv(path: str | Path) -> tuple[dict, list[int]]:
-    """({interventions: [...]}, the CSV line of each) from an lm-eval steered CSV file."""
+def read_csv(path: str | Path) -> tuple[dict, list[int], list[str]]:
+    """({interventions: [...]}, the CSV line of each, its description) from an lm-eval steered CSV file."""
     path = Path(path).expanduser()
     try:
         text = path.read_text(encoding="utf-8-sig")
@@ -135,7 +135,7 @@ def read_csv(path: str | Path) -> tuple[dict, list[int]]:
     if not rows:
         raise _fail(path, None, "", f"is empty: write the header ({','.join(COLUMNS)}) and one row per feature")
     names = _header(path, rows[0][1])
-    interventions, lines, seen = [], [], {}
+    interventions, lines, notes, seen = [], [], [], {}
     for line, cells in rows[1:]:
         extra = [c for c in cells[len(names):] if c.strip()]
         if extra:
@@ -149,7 +149,8 @@ def read_csv(path: str | Path) -> tuple[dict, list[int]]:
         seen[where] = line
         interventions.append(iv)
         lines.append(line)
-    return {"interventions": interventions}, lines
+        notes.append(row.get("description", ""))
+    return {"interventions": interventions}, lines, notes
 
 
 _COLUMN_OF = {"vector.sae": "sparse_model", "vector.feature": "feature_index", "vector.about_b_dec": "action",

@@ -326,12 +326,13 @@ def _from_csv(path: Path, base_dir, **kwargs) -> SteeringRun:
     """An lm-eval steered CSV (`driver.steering.lmeval_csv`) loaded as the spec of SAE features it names."""
     from driver.steering.lmeval_csv import in_rows, read_csv
 
-    spec, lines = read_csv(path)
+    spec, lines, notes = read_csv(path)
     try:
         loaded = load_steering(spec, base_dir if base_dir is not None else path.absolute().parent, **kwargs)
     except SteeringError as e:
         raise SteeringError(in_rows(str(e).replace("steering spec (dict)", str(path)), lines)) from None
-    record = {**loaded.record, "source": str(path.absolute()), "source_sha256": _file_sha256(path, {}), "format": "lm-eval steered csv"}
+    record = {**loaded.record, "source": str(path.absolute()), "source_sha256": _file_sha256(path, {}), "format": "lm-eval steered csv",
+              "csv_rows": [{"line": n, "description": d} for n, d in zip(lines, notes)]}
     return SteeringRun(loaded.steering, record)
 
 
