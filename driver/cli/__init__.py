@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from driver.cli import cluster, demo, nodes, run, stage, sweep, vectors
+from driver.cli import cluster, demo, nodes, run, stage, steer, sweep, vectors
 from driver.cli.errors import OneLineErrors
 
 
@@ -24,3 +24,4 @@ main.add_command(sweep.sweep_command)
 main.add_command(nodes.nodes)
 main.add_command(stage.stage)
 main.add_command(cluster.cluster)
+main.add_command(steer.steer)

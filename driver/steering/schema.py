@@ -42,14 +42,34 @@ class VectorRef(BaseModel):
         return _fspath(v)
 
 
+class SaeRef(BaseModel):
+    """`{sae: FOLDER, feature: N}`: the decoder direction of one SAE feature (`driver.steering.saes` reads the
+    folder); `hookpoint` picks a folder of a sparsify run (default: the intervention's site, in lm-eval's names);
+    `about_b_dec` makes clamp measure the projection from the SAE's b_dec, as lm-eval's steered does."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sae: str
+    feature: StrictInt = Field(ge=0)
+    hookpoint: str | None = None
+    about_b_dec: StrictBool = False
+
+    @field_validator("sae", mode="before")
+    @classmethod
+    def _path(cls, v: Any) -> Any:
+        return _fspath(v)
+
+
 def _vector_form(v: Any) -> str | None:
     if isinstance(v, (str, os.PathLike)):
         return "path"
+    if isinstance(v, SaeRef) or (isinstance(v, Mapping) and "sae" in v):
+        return "sae"
     return "ref" if isinstance(v, (Mapping, VectorRef)) else None
 
 
 VectorField = Annotated[
-    Union[Annotated[str, Tag("path")], Annotated[VectorRef, Tag("ref")]],
+    Union[Annotated[str, Tag("path")], Annotated[VectorRef, Tag("ref")], Annotated[SaeRef, Tag("sae")]],
     Discriminator(_vector_form, custom_error_type="vector_form", custom_error_message="bad vector"),
 ]
 
@@ -93,13 +113,13 @@ def _field_path(loc: tuple) -> str:
     for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not (i > 0 and loc[i - 1] == "vector" and part in ("path", "ref")):  # union tags
+        elif not (i > 0 and loc[i - 1] == "vector" and part in ("path", "ref", "sae")):  # union tags
             out += f".{part}" if out else str(part)
     return out
 
 
 def _unknown_field(loc: tuple) -> str:
-    model = SpecFile if len(loc) == 1 else VectorRef if "vector" in loc else InterventionSpec
+    model = SpecFile if len(loc) == 1 else (SaeRef if "sae" in loc else VectorRef) if "vector" in loc else InterventionSpec
     allowed = list(model.model_fields)
     near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
     hint = f"did you mean '{near[0]}'? " if near else ""
@@ -121,7 +141,7 @@ def _explain(err: dict) -> str:
     if kind == "literal_error":
         return f"{short(value)} is not allowed (use one of: {', '.join(_ALLOWED.get(name, ()))})"
     if kind == "vector_form":
-        return f"must be a path to a .npy file or {{file: ..., key: ...}}, not {short(value)}"
+        return f"must be a path to a .npy file or {{file: ..., key: ...}} (an SAE feature: {{sae: FOLDER, feature: N}}), not {short(value)}"
     return explain(err, list_of="a list of interventions")
 
 

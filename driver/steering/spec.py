@@ -44,7 +44,7 @@ from worker.load import model_shape
 from worker.spec import (FLOAT_MAX, Intervention, Steering, SteeringError, head_problem, head_shape, site_missing,
                          overflow, steering_overflow)  # fmt: skip
 
-from driver.steering.schema import InterventionSpec, SpecFile, VectorRef, spec_error, validate_spec
+from driver.steering.schema import InterventionSpec, SaeRef, SpecFile, VectorRef, spec_error, validate_spec
 from driver.steering.userfiles import load_yaml, yaml_problem
 
 __all__ = ["SteeringError", "SteeringRun", "SpecFile", "load_steering", "for_model", "check", "model_shape", "warn_once"]
@@ -62,8 +62,11 @@ def _read_spec(path: Path) -> Any:
     import yaml
 
     where = str(path)
+    if path.suffix.lower() in _PICKLE_SUFFIXES:
+        raise spec_error(where, "", f"a pickled steering file (lm-eval's .pt), which Orchard never unpickles: convert it with "
+                                    f"`driver steer convert {path}` (torch.load with weights_only=True) to a spec and .safetensors")
     if path.suffix.lower() not in _SPEC_SUFFIXES:
-        raise spec_error(where, "", f"not a steering spec: use a .yaml, .yml or .json file, not '{path.suffix}'")
+        raise spec_error(where, "", f"not a steering spec: use a .yaml, .yml or .json file (or lm-eval's steered .csv), not '{path.suffix}'")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -145,13 +148,15 @@ def _default_key(iv: InterventionSpec, n_layers: int | None, fail) -> str:
 
 
 def _load_vector(
-    iv: InterventionSpec, field: str, base: Path, where: str, memo: dict, n_layers: int | None = None
+    iv: InterventionSpec, field: str, base: Path, where: str, memo: dict, n_layers: int | None = None, hidden: int | None = None
 ) -> tuple[np.ndarray, dict]:
     """The intervention's vector as float32, checked, and its record entry."""
 
     def fail(problem: str, sub: str = "") -> SteeringError:
         return spec_error(where, field + sub, problem)
 
+    if isinstance(iv.vector, SaeRef):
+        return _sae_vector(iv, (n_layers, hidden), base, fail)
     ref = iv.vector if isinstance(iv.vector, VectorRef) else VectorRef(file=iv.vector)
     sub = ".file" if isinstance(iv.vector, VectorRef) else ""
     path = Path(os.path.normpath(base / Path(ref.file).expanduser()))
@@ -181,6 +186,25 @@ def _load_vector(
         "length": int(vector.size),
         "metadata": dict(metadata) if metadata else None,
     }
+    return vector, record
+
+
+def _sae_vector(iv: InterventionSpec, shape: tuple, base: Path, fail) -> tuple[np.ndarray, dict]:
+    """An SAE feature's decoder direction (`driver.steering.saes`); its record carries clamp's b_dec shift.
+    `shape`: the model's (layers, hidden size), either None when unknown."""
+    from driver.steering.saes import feature_vector
+
+    if iv.vector.about_b_dec and iv.op != "clamp":
+        raise fail(f"about_b_dec applies to op clamp, not {iv.op}: remove it", ".about_b_dec")
+    n_layers, hidden = shape
+    layer = iv.layer % n_layers if n_layers and -n_layers <= iv.layer < n_layers else iv.layer if iv.layer >= 0 else None
+    vector, record, _ = feature_vector(iv.vector, iv.site, layer, base, fail, iv.head)
+    if hidden and iv.site != "attn_head" and vector.size != hidden:
+        raise fail(f"the SAE at {record['path']} is {vector.size} wide (d_in) but the model's hidden size is {hidden}: "
+                   "use an SAE trained on this model", ".sae")
+    vector = _checked(vector, iv, fail)
+    record.update(sha256=hashlib.sha256(vector.tobytes()).hexdigest(), norm=float(np.linalg.norm(vector.astype(np.float64))),
+                  length=int(vector.size), file_sha256=None, metadata=None)  # the keys every vector's record has
     return vector, record
 
 
@@ -251,13 +275,14 @@ def load_steering(
     n_layers: int | None = None,
     dtype: str = "float32",
     missing: Mapping[str, str] | None = None,
+    hidden: int | None = None,
 ) -> SteeringRun:
     """Read a steering spec: a .yaml/.yml/.json file, a dict, a `SpecFile`, or a ready `Steering`.
 
     Vector paths are relative to `base_dir`, by default the spec file's folder (the cwd for a dict).
     `n_layers` (the model's) resolves a negative layer's default safetensors key; `dtype` is the precision
     the model computes in, in which alpha, the vectors and alpha*v must be finite; `missing`: {site: why} for
-    the sites the model's blocks lack (`for_model` passes all three).
+    the sites the model's blocks lack; `hidden`: its hidden size, which an SAE feature's width is checked against (`for_model` passes all four).
     The record: {source, source_sha256, spec (as written), vectors: [{path, key, file_sha256, sha256 (of the
     float32 bytes), norm, length, metadata}, one per intervention]}.
     """
@@ -270,6 +295,8 @@ def load_steering(
     else:
         origin = Path(source).expanduser()
         where, folder = str(origin), origin.absolute().parent
+        if origin.suffix.lower() == ".csv":  # lm-eval's steered CSV: its errors name the CSV's lines
+            return _from_csv(origin, base_dir, n_layers=n_layers, dtype=dtype, missing=missing, hidden=hidden)
         spec = validate_spec(_read_spec(origin), where)
     base = Path(base_dir).expanduser().absolute() if base_dir is not None else folder
     interventions, vectors = [], []
@@ -280,9 +307,10 @@ def load_steering(
             raise spec_error(where, f"interventions[{i}].site", gap)
         if head_problem(iv.site, iv.head):
             raise spec_error(where, f"interventions[{i}].head", head_problem(iv.site, iv.head))
-        vector, entry = _load_vector(iv, f"interventions[{i}].vector", base, where, memo, n_layers)
+        vector, entry = _load_vector(iv, f"interventions[{i}].vector", base, where, memo, n_layers, hidden)
         _in_dtype(iv, vector, dtype, lambda field, problem: spec_error(where, f"interventions[{i}]{field}", problem))
         fields = iv.model_dump(exclude={"vector"})
+        fields["alpha"] = iv.alpha + (entry.get("b_dec_projection") or 0.0)  # clamp about an SAE's b_dec
         interventions.append(Intervention(**fields, vector=tuple(vector.tolist())))
         vectors.append(entry)
     record = {
@@ -292,6 +320,20 @@ def load_steering(
         "vectors": vectors,
     }
     return SteeringRun(Steering(interventions=tuple(interventions)), record)
+
+
+def _from_csv(path: Path, base_dir, **kwargs) -> SteeringRun:
+    """An lm-eval steered CSV (`driver.steering.lmeval_csv`) loaded as the spec of SAE features it names."""
+    from driver.steering.lmeval_csv import in_rows, read_csv
+
+    spec, lines, notes = read_csv(path)
+    try:
+        loaded = load_steering(spec, base_dir if base_dir is not None else path.absolute().parent, **kwargs)
+    except SteeringError as e:
+        raise SteeringError(in_rows(str(e).replace("steering spec (dict)", str(path)), lines)) from None
+    record = {**loaded.record, "source": str(path.absolute()), "source_sha256": _file_sha256(path, {}), "format": "lm-eval steered csv",
+              "csv_rows": [{"line": n, "description": d} for n, d in zip(lines, notes)]}
+    return SteeringRun(loaded.steering, record)
 
 
 def check(steering: Steering, n_layers: int | None, hidden_size: int | None,
@@ -315,7 +357,8 @@ def for_model(source: str | os.PathLike | Mapping | SpecFile | Steering, config:
     n_layers, hidden = model_shape(config)
     from worker.hooks.skeleton import missing_sites  # the worker's hooks' own answer, from the blocks built without weights
 
-    loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype), missing=missing_sites(config))
+    loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype), missing=missing_sites(config),
+                           hidden=hidden)
     return SteeringRun(check(loaded.steering, n_layers, hidden, head_shape(config)), loaded.record)
 
 

@@ -132,19 +132,28 @@ def _vector_file(name: str, source: VectorSource, layer: int, n_layers: int, whe
     return file, f"{label}.layers.{layer}"
 
 
-def _load_vector(name: str, source: VectorSource, at: tuple, directionless: bool, model: _Model, base: Path, where: str):
-    """The checked `Intervention` (alpha 1, op add) for one vector at `at` = (site, layer, head), and its record;
-    checked as `driver run` checks a spec (driver.steering.spec.for_model): shape, dtype, the sites the model has."""
-    from driver.steering.spec import SteeringError, for_model
-
+def _vector_ref(name: str, source: VectorSource, at: tuple, n_layers: int, where: str) -> tuple[str, dict]:
+    """(label, the spec's `vector:`) of a vector source at `at` = (site, layer, head)."""
     site, layer, head = at
-    file, label = _vector_file(name, source, layer, model.n_layers, where)
+    if source.sae is not None:  # one feature: the plan's expansion leaves one per source
+        return f"vectors.{name}", {"sae": source.sae, "feature": source.features[0]}
+    file, label = _vector_file(name, source, layer, n_layers, where)
     ref: dict = {"file": file}
     if file.lower().endswith(".safetensors"):
         default = "{site}.{layer}.{head}" if head is not None else "{site}.{layer}"  # as `driver vectors` keys them
         ref["key"] = (source.key or default).format(site=site, layer=layer, head=head)
     elif source.key is not None and source.file is not None:
         raise SweepError(f"{where}: {label}.key: `key` applies only to .safetensors files; remove it")
+    return label, ref
+
+
+def _load_vector(name: str, source: VectorSource, at: tuple, directionless: bool, model: _Model, base: Path, where: str):
+    """The checked `Intervention` (alpha 1, op add) for one vector at `at` = (site, layer, head), and its record;
+    checked as `driver run` checks a spec (driver.steering.spec.for_model): shape, dtype, the sites the model has."""
+    from driver.steering.spec import SteeringError, for_model
+
+    site, layer, head = at
+    label, ref = _vector_ref(name, source, at, model.n_layers, where)
     iv = {"layer": layer, "site": site, "op": "ablate" if directionless else "add", "vector": ref, "normalize": source.normalize}
     spec = {"interventions": [iv if head is None else {**iv, "head": head}]}
     try:
@@ -182,7 +191,15 @@ def _vector_names(spec: SweepFile, where: str) -> list[str]:
         near = difflib.get_close_matches(unknown[0], list(spec.vectors), n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise SweepError(f"{where}: grid.vectors: no vector named {unknown[0]!r} ({hint}the file has: {', '.join(spec.vectors)})")
-    return names
+    return [f"{n}-f{f}" if spec.vectors[n].sae is not None else n for n in names for f in (spec.vectors[n].features or (None,))]
+
+
+def _source(spec: SweepFile, name: str) -> VectorSource:
+    """The source of a vector name; NAME-fN is feature N of the SAE source NAME (the features axis)."""
+    base, _, feature = name.rpartition("-f")
+    if name not in spec.vectors and base in spec.vectors and spec.vectors[base].sae is not None:
+        return spec.vectors[base].model_copy(update={"features": (int(feature),)})
+    return spec.vectors[name]
 
 
 def _config(name: str, at: tuple, op: str, positions: str, alpha: float | None, loaded: tuple, where: str) -> Config:
@@ -211,7 +228,7 @@ def _configs(spec: SweepFile, layers: list[int], heads: list[int], model: _Model
         for head in heads if site in HEAD_SITES else [None]:
             at = (site, layer, head)
             if (name, at) not in loaded:  # each vector read and checked once, whatever the ops and positions
-                loaded[(name, at)] = _load_vector(name, spec.vectors[name], at, directionless, model, base, where)
+                loaded[(name, at)] = _load_vector(name, _source(spec, name), at, directionless, model, base, where)
             alphas = [None] if op == "ablate" else [a for a in g.alphas if not (a == 0 and op in _IDENTITY_AT_ZERO)]
             configs += [_config(name, at, op, positions, alpha, loaded[(name, at)], where) for alpha in alphas]
     if len(configs) == 1:

@@ -85,11 +85,18 @@ class VectorSource(BaseModel):
     key: str | None = None
     layers: dict[StrictInt, str] | None = None
     normalize: StrictBool = False
+    sae: str | None = None  # an SAE folder (driver.steering.saes): one vector per feature of `features`, named NAME-fN
+    features: tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> VectorSource:
-        if (self.file is None) == (self.layers is None):
-            raise ValueError("give exactly one of `file:` (a .safetensors from `driver vectors`) or `layers: {L: file}`")
+        if sum(x is not None for x in (self.file, self.layers, self.sae)) != 1:
+            raise ValueError("give exactly one of `file:` (a .safetensors from `driver vectors`), `layers: {L: file}` or "
+                             "`sae: FOLDER` with `features: [..]`")  # fmt: skip
+        if (self.sae is None) != (self.features is None):
+            raise ValueError("`sae:` and `features:` go together: the SAE folder and the features to sweep, e.g. [12, 40]")
+        if self.features is not None and (not self.features or len(set(self.features)) != len(self.features)):
+            raise ValueError("`features:` must list distinct feature indices, at least one")
         if self.layers is not None and not self.layers:
             raise ValueError("`layers:` is empty: map each layer to its vector file")
         if self.key is not None:
