@@ -13,10 +13,10 @@ process tree, the embedded Ray's start and stop, a fresh environment, hidden PyT
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,13 +64,50 @@ def _fresh_process() -> None:
     spec._WARNED.clear()
 
 
+@contextlib.contextmanager
+def _captured():
+    """Everything the command writes to stdout and stderr, as a subprocess's pipes would get it: file descriptors 1
+    and 2 point at files for the block (Ray's C++ core and other native code write there), `sys.stdout` and
+    `sys.stderr` write to them, and so do the logging handlers that were made with the previous streams."""
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    files = [tempfile.TemporaryFile() for _ in range(2)]
+    saved = [os.dup(1), os.dup(2)]
+    streams = [open(fd, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False) for fd in (1, 2)]  # noqa: SIM115
+    old = {id(sys.stdout): streams[0], id(sys.__stdout__): streams[0], id(sys.stderr): streams[1], id(sys.__stderr__): streams[1]}
+    handlers = [h for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()] for h in getattr(lg, "handlers", [])]
+    # (logging's last-resort handler reads sys.stderr when it writes: redirected with it)
+    streaming = [h for h in dict.fromkeys(handlers) if isinstance(h, logging.StreamHandler) and not isinstance(h, logging._StderrHandler)]
+    moved = [(h, h.stream) for h in streaming if id(h.stream) in old]
+    for fd, f in zip((1, 2), files):
+        os.dup2(f.fileno(), fd)
+    for h, stream in moved:
+        h.setStream(old[id(stream)])
+    texts: list[str] = []
+    try:
+        with contextlib.redirect_stdout(streams[0]), contextlib.redirect_stderr(streams[1]):
+            yield texts
+    finally:
+        for h, stream in moved:
+            h.setStream(stream)
+        for fd, stream, keep in zip((1, 2), streams, saved):
+            stream.flush()
+            os.dup2(keep, fd)
+            os.close(keep)
+        for f in files:
+            f.seek(0)
+            texts.append(f.read().decode("utf-8", errors="replace"))
+            f.close()
+
+
 def driver(*args, cwd: str | os.PathLike, env: dict[str, str | None] | None = None) -> Completed:
     """`driver ARGS` in `cwd`, in this process: (exit status, stdout, stderr) as the shell would see them.
     `env` sets (or, with None, removes) variables for the call only."""
     from driver.cli import main
 
     argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
     handler = signal.getsignal(signal.SIGTERM)
     here = Path.cwd()
     code = 0
@@ -78,15 +115,14 @@ def driver(*args, cwd: str | os.PathLike, env: dict[str, str | None] | None = No
     with _environment({"RAY_ADDRESS": None, **(env or {})}):
         os.chdir(cwd)
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            with _captured() as texts:
                 main.main(argv, prog_name="driver", standalone_mode=True)
         except SystemExit as e:
             code = _code(e)
         finally:
             os.chdir(here)
             signal.signal(signal.SIGTERM, handler)
-            sys.stdout.flush()
-    return Completed(["driver", *argv], code, out.getvalue(), err.getvalue())
+    return Completed(["driver", *argv], code, *texts)
 
 
 @contextlib.contextmanager
