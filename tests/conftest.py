@@ -75,11 +75,19 @@ def stories_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def story_plain(tmp_path_factory) -> dict:
-    """The unsplit `driver run` on the stories model and its tasks (test_cli._story_run), once: {task: {doc: responses}}."""
-    from test_cli import _story_run
+def story_plain(tmp_path_factory, ray_cluster) -> dict:
+    """The unsplit `driver run` on the stories model and its tasks (test_cli._story_args), once, in this process on
+    one worker of the session's cluster (the reference the grouped runs are compared with): {task: {doc: responses}}."""
+    from test_cli import _story_args, _story_samples
 
-    return _story_run(tmp_path_factory.mktemp("story-plain"), "plain")[1]
+    from testbed import inproc
+
+    folder = tmp_path_factory.mktemp("story-plain")
+    args = _story_args(folder, "plain")
+    args[args.index("--address") + 1] = inproc.session_address()
+    proc = inproc.driver(*args, cwd=folder)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _story_samples(folder / "plain")
 
 
 NODE = {"num_cpus": 1, "resources": {"mlx": 1}, "node_ip_address": "127.0.0.1"}
@@ -101,3 +109,13 @@ def ray_cluster():
     yield c
     ray.shutdown()
     c.shutdown()
+
+
+@pytest.fixture
+def ray_disconnected():
+    """Not connected to Ray for the test (a test that Ray is not started): the session's cluster is joined again after."""
+    from testbed.inproc import disconnected
+
+    with disconnected():
+        yield
+

@@ -12,6 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from driver.cli import main
+from testbed import inproc
+from testbed.inproc import Completed
 
 
 def run(code: int, *args: str):
@@ -220,7 +222,13 @@ def driver(tmp_path, *args: str, hide_torch: bool = False, timeout: float = 600)
     )  # fmt: skip
 
 
-def one_error(proc: subprocess.CompletedProcess) -> str:
+def in_process(tmp_path, *args) -> Completed:
+    """`driver ARGS` in `tmp_path` run in this process (testbed.inproc) on the session's cluster, which the test
+    asks for (`ray_cluster`): `--address` is that cluster's, so no embedded Ray starts for the command."""
+    return inproc.driver(*args, "--address", inproc.session_address(), cwd=tmp_path)
+
+
+def one_error(proc: subprocess.CompletedProcess | Completed) -> str:
     shown = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, shown
@@ -270,6 +278,7 @@ def test_a_run_is_quiet_about_what_the_user_cannot_change(llama_path, tasks_dir,
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
 def test_a_nan_log_likelihood_fails_the_run_in_one_line(stories_path, tmp_path):
     """Finite weights whose logits overflow (the final norm's weights at 3e38): every log-likelihood is NaN, which
     must fail the run naming the task and the document, never print `acc 0`."""
@@ -283,8 +292,8 @@ def test_a_nan_log_likelihood_fails_the_run_in_one_line(stories_path, tmp_path):
     from testbed.stories import write_story_tasks
 
     tasks = write_story_tasks(tmp_path / "tasks")
-    proc = driver(tmp_path, "run", "--model", model, "--tasks", "tinystories_mc", "--include-path", tasks, "--workers", "1",
-                  "--output-path", tmp_path / "out")  # fmt: skip
+    proc = in_process(tmp_path, "run", "--model", model, "--tasks", "tinystories_mc", "--include-path", tasks, "--workers", "1",
+                      "--output-path", tmp_path / "out")  # fmt: skip
     assert one_error(proc) == (
         "Error: task tinystories_mc, document 0 (request 0 of that document): the log-likelihood is nan: check the "
         "model's weights (a damaged file) and the steering (its alpha and vectors)"
@@ -293,6 +302,7 @@ def test_a_nan_log_likelihood_fails_the_run_in_one_line(stories_path, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
 def test_non_finite_weights_fail_the_run_in_one_line(llama_path, tasks_dir, tmp_path):
     from worker.load import safetensors_header
 
@@ -302,8 +312,8 @@ def test_non_finite_weights_fail_the_run_in_one_line(llama_path, tasks_dir, tmp_
     with weights.open("r+b") as fh:  # 4 KB of 0xFF (float32 NaNs) at the start of a tensor's data
         fh.seek(8 + int.from_bytes(weights.read_bytes()[:8], "little") + info["data_offsets"][0])
         fh.write(b"\xff" * min(4096, info["data_offsets"][1] - info["data_offsets"][0]))
-    proc = driver(tmp_path, "run", "--model", model, "--tasks", "orchard_mc", "--include-path", tasks_dir, "--workers", "1",
-                  "--output-path", tmp_path / "out")  # fmt: skip
+    proc = in_process(tmp_path, "run", "--model", model, "--tasks", "orchard_mc", "--include-path", tasks_dir, "--workers", "1",
+                      "--output-path", tmp_path / "out")  # fmt: skip
     assert f"{model}: weight {name} in model.safetensors holds NaN or infinite values: the file is damaged" in one_error(proc)
 
 
@@ -386,6 +396,7 @@ def test_mlx_rays_own_model_args_are_checked_before_ray_starts(stories_path, bad
         get_model("mlx-ray").create_from_arg_string(f"pretrained={stories_path},{bad}", {})
 
 
+@pytest.mark.usefixtures("ray_disconnected")
 def test_a_split_the_model_cannot_take_is_a_value_error_before_ray_starts(stories_path):
     # simple_evaluate(model="mlx-ray", model_args="...,group_size=3,split=tensor"): the stories model's 8 heads
     import driver  # noqa: F401  registers the models
@@ -488,6 +499,7 @@ def test_a_group_of_two_on_the_local_cluster_equals_the_unsplit_run(tmp_path, st
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
 def test_vectors_from_a_group_of_two_equal_the_unsplit_ones(tmp_path):
     """`driver vectors --group-size 2` (pipeline: layers 0-2 on rank 0, 3-4 on rank 1): every layer's vector,
     gathered from the rank that owns it, equals the unsplit worker's. (A cache each: a grouping shares its cache.)"""
@@ -503,8 +515,10 @@ def test_vectors_from_a_group_of_two_equal_the_unsplit_ones(tmp_path):
     pairs.write_text("".join(json.dumps({"positive": p, "negative": n}) + "\n" for p, n in lines))
     found = {}
     for name, extra in (("plain", []), ("grouped", ["--group-size", "2"])):
-        proc = driver(tmp_path, "vectors", "--model", MODEL, "--pairs", pairs, "--out", tmp_path / f"{name}.safetensors",
-                      "--address", "local", "--workers", "1", "--threads", "1", "--cache", tmp_path / name, *extra)  # fmt: skip
+        args = ["vectors", "--model", MODEL, "--pairs", pairs, "--out", tmp_path / f"{name}.safetensors", "--workers", "1",
+                "--threads", "1", "--cache", tmp_path / name, *extra]  # fmt: skip
+        # the unsplit reference in this process on the session's cluster; the group on the embedded Ray, as a user runs it
+        proc = driver(tmp_path, *args, "--address", "local") if extra else in_process(tmp_path, *args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert ("on 1 group of 2 on 1 node" if extra else "on 1 worker on 1 node") in proc.stdout, proc.stdout
         found[name] = load_file(str(tmp_path / f"{name}.safetensors"))

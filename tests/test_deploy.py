@@ -108,12 +108,14 @@ def test_a_bad_cluster_yaml_is_one_line_naming_the_fix(tmp_path: Path, case: str
 
 
 def test_driver_cluster_check_is_one_line_and_exit_1(tmp_path: Path):
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    from testbed.inproc import driver  # the real entry point, in this process
+
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     path = _bad(tmp_path, "bad.yaml", BAD["no token mount"][0])
-    proc = subprocess.run([sys.executable, "-m", "driver", "cluster", "check", path], capture_output=True, text=True, env=env, timeout=120)
+    proc = driver("cluster", "check", path, cwd=tmp_path, env=env)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"Error: {path}: file_mounts"), proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "driver", "cluster", "check", str(DEPLOY / "cluster.yaml")], capture_output=True, text=True, env=env, timeout=120)
+    proc = driver("cluster", "check", DEPLOY / "cluster.yaml", cwd=tmp_path, env=env)
     assert proc.returncode == 0 and "valid for `ray up`" in proc.stdout, proc.stderr
 
 

@@ -1,4 +1,6 @@
-"""Every way a user can get `driver` wrong, as a real user meets it: `python -m driver ...` in a subprocess.
+"""Every way a user can get `driver` wrong, as a real user meets it: the real entry point, `driver.cli.main` in
+click's standalone mode, run in this process with the case's environment (testbed.inproc), or `python -m driver
+...` in a subprocess where a fresh process is the point (FRESH_PROCESS, `--help`, the cluster cases).
 
 Each case asserts the exact exit code (2: the command line itself is wrong; 1: it names something unusable, or
 something failed), that stderr is one `Error:` line (plus at most one `Try ... --help` hint), that there is no
@@ -30,6 +32,9 @@ from pathlib import Path
 
 import pytest
 
+from testbed import inproc
+from testbed.inproc import Completed
+
 TIMES: list[tuple[str, str, int, float]] = []  # (group, case, exit code, seconds to the error)
 
 
@@ -51,7 +56,17 @@ def driver(*args: str, env: dict[str, str], cwd: Path, timeout: float = 240) -> 
     return proc, time.perf_counter() - start
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, message: str) -> str:
+def in_process(*args: str, env: dict[str, str], cwd: Path) -> tuple[Completed, float]:
+    """`driver ARGS` as `driver` does it, in this process (testbed.inproc), with `env` as the whole environment for
+    the call (variables it lacks are unset meanwhile); not connected to Ray (`_no_ray_connection`)."""
+    start = time.perf_counter()
+    delta: dict[str, str | None] = {k: None for k in os.environ if k not in env}
+    delta.update({k: v for k, v in env.items() if os.environ.get(k) != v})
+    proc = inproc.driver(*args, cwd=cwd, env=delta)
+    return proc, time.perf_counter() - start
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess | Completed, code: int, message: str) -> str:
     """Exit code exactly `code`; stderr one `Error:` line containing `message` (+ at most a `Try` hint)."""
     shown = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr + proc.stdout, shown
@@ -476,6 +491,20 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
+# The table runs in this process (the real entry point, `driver.cli.main` in standalone mode, with each case's
+# environment), but these cases need a fresh one: huggingface_hub reads HF_HOME and the offline switch when it is
+# imported, and those cases point at a hub cache of their own.
+FRESH_PROCESS = {"repo id offline, not cached", "repo id cached without weights"}
+
+
+@pytest.fixture(scope="module")
+def _no_ray_connection():
+    """The table's commands connect to Ray themselves (an embedded one, or refuse an address), as in a new process."""
+    with inproc.disconnected():
+        yield
+
+
+@pytest.mark.usefixtures("_no_ray_connection")
 @pytest.mark.parametrize("case", ROWS, ids=lambda c: c.name.replace(" ", "-"))
 def test_mistake_is_one_line_and_writes_nothing(case: Case, world: World):
     folder = world.tmp / case.name.replace(" ", "_").replace(",", "")
@@ -488,7 +517,8 @@ def test_mistake_is_one_line_and_writes_nothing(case: Case, world: World):
                 pytest.skip("/sys is writable here")
         except OSError:
             pass
-    proc, seconds = driver(*argv, env={**world.env, **case.env}, cwd=folder)
+    run = driver if case.name in FRESH_PROCESS else in_process
+    proc, seconds = run(*argv, env={**world.env, **case.env}, cwd=folder)
     TIMES.append(("settings" if case in SETTINGS else "preflight", case.name, proc.returncode, seconds))
     assert_one_line_error(proc, case.code, case.message)
     assert _snapshot(folder) == before, "a refused command changed files"  # nothing written, a bad cache untouched

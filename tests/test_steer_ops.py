@@ -358,20 +358,18 @@ def test_alpha_v_inf_in_the_residuals_dtype_is_noted(lm):
     assert _notes(lm, steering)[0].endswith("the model no longer reads its input")  # float32: finite, but swamping
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_the_cli_warns_once_when_steering_swamps_the_stream(stories_path, tasks_dir, tmp_path):
     """alpha 1e30 (finite everywhere): every document then gets the same log-likelihoods. The warning comes
     from the workers' notes through Ray to the head, printed once however many chunks carried it."""
-    import os
-    import subprocess
-    import sys
+    from testbed.inproc import driver, session_address
 
     np.save(tmp_path / "v.npy", np.random.default_rng(0).standard_normal(64).astype(np.float32))
     (tmp_path / "steer.yaml").write_text("interventions:\n  - {layer: 3, vector: v.npy, alpha: 1.0e+30}\n")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    command = [sys.executable, "-m", "driver", "run", "--model", str(stories_path), "--tasks", "orchard_mc",
-               "--include-path", str(tasks_dir), "--workers", "1", "--address", "local", "--steer", "steer.yaml",
-               "--model-args", "max_batch_tokens=64", "--output-path", "out"]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    # in this process, on one worker of the session's cluster
+    proc = driver("run", "--model", stories_path, "--tasks", "orchard_mc", "--include-path", tasks_dir, "--workers", "1",
+                  "--address", session_address(), "--steer", "steer.yaml",
+                  "--model-args", "max_batch_tokens=64", "--output-path", "out", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if "no longer reads its input" in line]
     assert len(warnings) == 1, proc.stderr[-3000:]

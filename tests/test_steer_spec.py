@@ -367,13 +367,10 @@ def test_the_spec_allows_exactly_what_workers_accept():
 
 
 def _driver(*args, cwd: Path):
-    import os
-    import subprocess
-    import sys
+    """`driver ARGS` in this process (testbed.inproc); `--address session` is the session's cluster (`ray_cluster`)."""
+    from testbed.inproc import driver, session_address
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    return subprocess.run([sys.executable, "-m", "driver", *map(str, args)], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=600)  # fmt: skip
+    return driver(*(session_address() if a == "session" else a for a in args), cwd=cwd)
 
 
 def readme_spec() -> str:
@@ -383,6 +380,7 @@ def readme_spec() -> str:
     return section[section.index("```yaml\n") + 8 : section.index("```", section.index("```yaml\n") + 8)]
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_readmes_steering_example_runs_as_printed(stories_path, tasks_dir, tmp_path):
     """`layer: -1` with `vector: {file: vectors.safetensors}` reads the key `resid_post.<the last layer>` (4 on the
     5-layer TinyStories model), as README says; the file holds only that key, so no other reading can pass."""
@@ -393,7 +391,7 @@ def test_readmes_steering_example_runs_as_printed(stories_path, tasks_dir, tmp_p
     np.save(tmp_path / "happy.npy", rng.standard_normal(64).astype(np.float32))
     save_file({"resid_post.4": rng.standard_normal(64).astype(np.float32)}, str(tmp_path / "vectors.safetensors"))
     proc = _driver("run", "--model", stories_path, "--tasks", "orchard_mc", "--include-path", tasks_dir, "--limit", "4",
-                   "--workers", "1", "--address", "local", "--steer", "steer.yaml", "--output-path", "out", cwd=tmp_path)  # fmt: skip
+                   "--workers", "1", "--address", "session", "--steer", "steer.yaml", "--output-path", "out", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
     (results,) = (tmp_path / "out").rglob("results_*.json")
     record = json.loads(results.read_text())["config"]["orchard"]["steering"]

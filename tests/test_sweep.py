@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 
 from driver.sweep import outdir, plots, report, summary
 from driver.cli import main
+from testbed.inproc import session_address
 
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN = 64  # conftest's tiny llama: 2 layers, hidden 64
@@ -203,8 +204,9 @@ def test_an_interrupted_sweep_resumes_and_a_grown_grid_computes_only_new_cells(r
     total = (1 + 2 * len(alphas)) * 3 * len(PROMPTS)  # 2 targets + 1 generation per prompt and configuration
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    address = session_address()  # a real process to interrupt, on the session's cluster (no embedded Ray of its own)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "driver", "sweep", str(sweep), "--workers", "1", "--address", "local", "--threads", "1",
+        [sys.executable, "-m", "driver", "sweep", str(sweep), "--workers", "1", "--address", address, "--threads", "1",
          "--output", str(out)],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -4,9 +4,6 @@ directions, the safetensors output, and one-line errors for bad pairs files."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -14,6 +11,8 @@ import pytest
 from mlx_lm.models.base import create_attention_mask
 from safetensors import safe_open
 from safetensors.numpy import load_file
+
+from testbed.inproc import Completed, driver, session_address
 
 from driver.steering.vectors import (
     METHODS,
@@ -378,10 +377,9 @@ def test_vectors_that_would_be_zero_are_refused_naming_layers_and_pairs(lm):
 # --- the CLI: cached like every result, degenerate output refused ---------------------------------------------------
 
 
-def _vectors(*args, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    command = [sys.executable, "-m", "driver", "vectors", "--workers", "1", "--address", "local", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+def _vectors(*args, cwd) -> Completed:
+    """`driver vectors ARGS` in this process on one worker of the session's cluster (the test uses `ray_cluster`)."""
+    return driver("vectors", "--workers", "1", "--address", session_address(), *args, cwd=cwd, env={"HF_HUB_OFFLINE": "1"})
 
 
 def _contents(path) -> tuple[dict, dict]:
@@ -389,6 +387,7 @@ def _contents(path) -> tuple[dict, dict]:
         return f.metadata(), {k: f.get_tensor(k).tobytes() for k in f.keys()}
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_vectors_are_cached_a_rerun_computes_nothing_a_changed_pair_only_itself(stories_path, tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     lines = [HAPPY, {"positive": "Tom was glad", "negative": "Tom was angry"}, {"positive": "a sunny day", "negative": "a rainy day"}]
@@ -409,6 +408,7 @@ def test_vectors_are_cached_a_rerun_computes_nothing_a_changed_pair_only_itself(
     assert _contents(out)[1] != _contents(first_copy)[1]
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_vectors_that_would_be_zero_write_nothing(stories_path, tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     write_pairs(pairs, HAPPY, {"positive": "Tom was glad", "negative": "Tom was angry"})
@@ -451,6 +451,7 @@ def test_branch_captures_equal_the_blocks_parts_by_hand_at_any_batch_size(lm):
         assert np.array_equal(a[2], a[0] + a[1])  # resid_mid is resid_pre + attn_out, bit for bit
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_driver_vectors_at_each_site_keys_site_and_layer_and_steers_from_a_spec(stories_path, tmp_path):
     from driver.steering.spec import for_model
 
@@ -476,6 +477,7 @@ def test_driver_vectors_at_each_site_keys_site_and_layer_and_steers_from_a_spec(
 # --- capture at attn_head: one vector per layer and head ---------------------------------------------------------
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_driver_vectors_at_attn_head_keys_layer_and_head_and_steers_from_a_spec(stories_path, tmp_path):
     from driver.steering.spec import for_model
 
