@@ -65,7 +65,7 @@ class OrchardLM(TemplateLM):
         self._max_length = context_window(files.config, self.spec.max_length)
         self.max_gen_toks = int(max_gen_toks)
         self._token_plan: Plan | None = None  # what driver.lm.tokenize proved for this tokenizer (on first use)
-        self.steering, self.steering_record = model_setup.model_steering(steer, files.config)
+        self.steering, self.steering_record = model_setup.model_steering(steer, files.config, self.spec.dtype)
         self.identity = model_setup.model_identity(self.spec, files.folder, self._max_length)
         self.executor: Executor = self.make_executor(self.spec, self.batching)
 

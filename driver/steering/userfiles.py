@@ -42,6 +42,10 @@ def explain(err: dict, list_of: str = "a list") -> str:
         return f"must be a number, not {text}"
     if kind.startswith("bool_"):
         return f"must be true or false, not {text}"
+    if kind == "greater_than_equal" and any(part in ("head", "heads") for part in err.get("loc", ())):
+        from worker.spec import NEGATIVE_HEAD
+
+        return f"{text}: {NEGATIVE_HEAD}: give a head >= 0"
     if kind in ("greater_than", "greater_than_equal"):
         return err["msg"].replace("Input should be", "must be") + f", not {text}"
     if kind == "value_error":
@@ -62,6 +66,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         if isinstance(node, yaml.MappingNode):
             seen: dict[Any, int] = {}
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` merges a mapping (its keys may be overridden here): the loader flattens it
                 key = self.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
                 if isinstance(key, (str, int, float, bool)) and key in seen:

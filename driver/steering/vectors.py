@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.spec import HEAD_SITES, SITES
+from worker.spec import HEAD_SITES, NEGATIVE_HEAD, SITES
 
 from driver.steering.userfiles import jsonl_lines
 
@@ -84,7 +84,7 @@ def pairs_sha256(pairs: Sequence[Pair]) -> str:
 
 def parse_layers(spec: str, n_layers: int, what: str = "layer") -> list[int]:
     """"all" or comma-separated layers ("2,3,4"; "-1": the last block), resolved to 0..n_layers-1, in order.
-    `what`: what the numbers count ("head" for --heads)."""
+    `what`: what the numbers count ("head" for --heads: heads never count from the end, `NEGATIVE_HEAD`)."""
     spec = spec.strip()
     if spec == "all":
         return list(range(n_layers))
@@ -94,9 +94,12 @@ def parse_layers(spec: str, n_layers: int, what: str = "layer") -> list[int]:
             layer = int(item.strip())
         except ValueError:
             raise ValueError(f"bad {what} {item.strip()!r} in {spec!r}: use 'all' or integers like 2,3,4 or -1") from None
+        if what == "head" and layer < 0:
+            raise ValueError(f"head {layer}: {NEGATIVE_HEAD}: give 0..{n_layers - 1} or all")
         if not -n_layers <= layer < n_layers:
             raise ValueError(
-                f"{what} {layer} is out of range: the model has {n_layers} {what}s (0..{n_layers - 1} or -{n_layers}..-1)"
+                f"{what} {layer} is out of range: the model has {n_layers} {what}s "
+                f"(0..{n_layers - 1}{'' if what == 'head' else f' or -{n_layers}..-1'})"
             )
         layer %= n_layers
         if layer in layers:
