@@ -130,6 +130,8 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     from driver.lm.quiet import quiet_lm_eval
 
     quiet_lm_eval()
+    # HF's sampling draws from torch's generator, which lm-eval seeds with torch_random_seed: ours takes that seed
+    lm.sampling_seed = plan.seeds.get("torch_random_seed")
     tracker = EvaluationTracker(output_path=output_path)
     try:
         results = lm_eval.simple_evaluate(
