@@ -482,7 +482,7 @@ def test_driver_vectors_at_attn_head_keys_layer_and_head_and_steers_from_a_spec(
     pairs = tmp_path / "pairs.jsonl"
     read = write_pairs(pairs, HAPPY, {"positive": "Tom was glad", "negative": "Tom was angry"})
     out = tmp_path / "heads.safetensors"
-    proc = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, "--site", "attn_head", "--heads", "0,-1",
+    proc = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, "--site", "attn_head", "--heads", "0,7",
                     "--layers", "1,3", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     with safe_open(str(out), "np") as f:
