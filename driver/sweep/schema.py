@@ -162,7 +162,7 @@ class Tasks(BaseModel):
     include_path: str | None = None
     gen_kwargs: str | None = None
     apply_chat_template: StrictBool = False
-    seed: StrictInt | None = None  # one seed for python, numpy, torch and few-shot sampling (lm-eval's defaults if unset)
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**32)  # one seed for python, numpy, torch and few-shot sampling (lm-eval's defaults if unset)
 
     @field_validator("limit")
     @classmethod
