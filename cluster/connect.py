@@ -22,8 +22,10 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LOCAL = "local"
 START_HINT = "start one with `ray start --head --resources='{\"mlx\": 1}'`, or pass --address local"
@@ -315,6 +317,26 @@ def _init(ray, **kwargs) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def stdout_for_results() -> None:
+    """Ray prints what reaches the driver from the cluster (the raylet's "A worker died or was killed ..." and any
+    worker output) on stdout when it is not an error stream: send all of it to stderr, so that stdout holds the
+    results only (`driver run ... > table.md` stays clean). Ray looks the printer up by name at each print."""
+    from ray._private import worker as ray_worker
+
+    for owner, name in ((ray_worker, "print_to_stdstream"), (ray_worker.global_worker_stdstream_dispatcher, "emit")):
+        original = getattr(owner, name, None)  # the raylet's lines / the worker log lines Ray forwards
+        if original is not None and not getattr(original, "orchard_stderr", False):
+            setattr(owner, name, _on_stderr(original))
+
+
+def _on_stderr(printer: Callable) -> Callable:
+    def on_stderr(data: dict, *args: Any, **kwargs: Any) -> None:
+        printer({**data, "is_err": True}, *args, **kwargs)
+
+    on_stderr.orchard_stderr = True  # type: ignore[attr-defined]
+    return on_stderr
+
+
 def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bool = False) -> Connection:
     """Join the cluster at `address` (None: $RAY_ADDRESS, else embedded), or reuse this process's Ray connection.
 
@@ -322,7 +344,13 @@ def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bo
     this machine exactly as they would on N Macs.
     """
     ray_mode(source_of(address)[0])
+    # The executor gets every result it uses and says a failure in one line; the refs it drops on purpose (a lost
+    # group's other ranks, failing on the broken ring) would otherwise be printed by Ray at garbage collection as
+    # "Unhandled error" tracebacks ("[ring] connection to a peer was lost"). Read by Ray at print time.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     import ray
+
+    stdout_for_results()
 
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address

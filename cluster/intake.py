@@ -54,7 +54,7 @@ class Stored:
 
     def read(self, kind: str, merge: Merge, keys: list[bytes], offset: int = 0) -> None:
         """Cached results of `keys` (requests offset, offset+1, ...) into `merge`."""
-        hits = self.cache.get(keys)
+        hits = self.cache.get(keys, kind)  # a row that is not a result of this kind is left out: computed again
         found = [i for i, k in enumerate(keys) if k in hits]
         decode = DECODE.get(kind, lambda v: v)
         merge.add([offset + i for i in found], [decode(hits[keys[i]]) for i in found])

@@ -415,10 +415,10 @@ def test_vectors_that_would_be_zero_write_nothing(stories_path, tmp_path):
     out = tmp_path / "v.safetensors"
     proc = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, "--position", "0", "--layers", "0,-1", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "Error: the vectors at resid_post.0, resid_post.4 would be zero (under 0.0001 of the activations' norm): the "
-        "pairs on lines 1, 2 read the same activations on both sides at position 0; make their positive and negative "
-        "texts differ there; nothing written"
+    assert proc.stderr.strip().splitlines()[-1] == (  # known from the tokens (BOS on both sides), before Ray (issue 29.4)
+        f"Error: {pairs}: the positive and negative texts of every pair agree on every token up to position 0, so the "
+        "activations read there are the same and every vector would be zero: read a position where the texts differ "
+        "(e.g. --position last)"
     )
     assert not out.exists()
 
@@ -484,7 +484,7 @@ def test_driver_vectors_at_attn_head_keys_layer_and_head_and_steers_from_a_spec(
     pairs = tmp_path / "pairs.jsonl"
     read = write_pairs(pairs, HAPPY, {"positive": "Tom was glad", "negative": "Tom was angry"})
     out = tmp_path / "heads.safetensors"
-    proc = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, "--site", "attn_head", "--heads", "0,-1",
+    proc = _vectors("--model", stories_path, "--pairs", pairs, "--out", out, "--site", "attn_head", "--heads", "0,7",
                     "--layers", "1,3", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     with safe_open(str(out), "np") as f:

@@ -93,6 +93,17 @@ FLOAT_MAX = {"float32": float(np.finfo(np.float32).max), "float16": float(np.fin
 _DIRECTION_OPS = ("ablate", "clamp")  # they use u = v/|v|
 
 
+def unit(vector: np.ndarray) -> np.ndarray:
+    """v/|v| as float32, scaled by its largest entry first (in float64): entries of 1e30 are finite in float32
+    while their sum of squares is not, so a plain norm would give inf and a zero "direction"."""
+    v = np.asarray(vector, dtype=np.float64)
+    biggest = float(np.abs(v).max(initial=0.0))
+    if biggest == 0.0:
+        return v.astype(np.float32)
+    v = v / biggest
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
 def overflow(name: str, values: np.ndarray, dtype: str = "float32") -> str | None:
     """Why `values` (float64) are not finite numbers in `dtype`, the precision steering runs in; None if they are."""
     finite = np.isfinite(values)
@@ -107,14 +118,12 @@ def overflow(name: str, values: np.ndarray, dtype: str = "float32") -> str | Non
 
 def steering_overflow(alpha: float, vector: np.ndarray, op: str, normalize: bool, dtype: str = "float32") -> tuple[str, str] | None:
     """(field, why) when what an op computes from alpha and the vector is not finite in `dtype`, else None:
-    the norm that normalize/ablate/clamp divide by, then alpha*v (alpha*u for ablate/clamp, unused by ablate)."""
-    norm = float(np.linalg.norm(vector))
-    unit = normalize or op in _DIRECTION_OPS
-    if unit and norm > FLOAT_MAX[dtype]:
-        return "vector", f"its norm {norm:.3g} is inf in {dtype}, so it cannot be normalized: scale the vector down"
+    alpha*v (alpha*u for normalize and clamp; ablate writes nothing). u = v/|v| is found in float64, scaled
+    first (`unit`), so a vector whose norm is past `dtype`'s range still has its direction."""
+    along = normalize or op in _DIRECTION_OPS
     if op == "ablate":
         return None
-    scale = abs(alpha) * (1.0 if unit else float(np.abs(vector).max(initial=0.0)))
+    scale = abs(alpha) * (1.0 if along else float(np.abs(vector).max(initial=0.0)))
     if scale > FLOAT_MAX[dtype]:
         return "alpha", (f"alpha*vector reaches {scale:.3g}, which is inf in {dtype} (largest finite: "
                          f"{FLOAT_MAX[dtype]:.3g}): use a smaller alpha")  # fmt: skip
@@ -122,6 +131,9 @@ def steering_overflow(alpha: float, vector: np.ndarray, op: str, normalize: bool
 
 
 POSITIONS = ("all", "prompt", "continuation", "last")
+# One rule for heads in specs, sweeps and `driver vectors --heads`: 0-based, never counted from the end (a
+# head's number is in its vectors' keys, attn_head.L.h, which must name the same head for every model).
+NEGATIVE_HEAD = "heads are numbered from 0 and a negative head does not count from the end (layers do, heads do not)"
 
 
 def head_problem(site: str, head: int | None) -> str | None:
@@ -236,10 +248,9 @@ class Intervention(BaseModel):
         """The vector as float32, unit norm when `normalize` is set."""
         v = np.asarray(self.vector, dtype=np.float32)
         if self.normalize:
-            norm = float(np.linalg.norm(v))
-            if norm == 0.0:
+            if not v.any():
                 raise ValueError(f"cannot normalize the all-zero vector of layer {self.layer}")
-            v = v / norm
+            v = unit(v)
         return v
 
     def vector_sha256(self) -> str:

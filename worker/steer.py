@@ -31,7 +31,7 @@ import numpy as np
 
 from .hooks import POSITIONS, Capture, Hook, HookContext, Rows
 from .load import model_shape
-from .spec import HEAD_SITES, Steering, SteeringError, head_shape
+from .spec import HEAD_SITES, Steering, SteeringError, head_shape, unit
 
 __all__ = ["OPS", "Ablate", "Add", "Clamp", "OnHead", "OnRows", "Replace", "SteeringError", "hidden_size", "hooks_for", "side_by_side", "steered"]
 
@@ -59,11 +59,10 @@ class _Op:
         if v.ndim != 1 or v.size == 0:
             raise SteeringError(f"vector has shape {v.shape}: pass a non-empty 1-D vector")
         if self.unit:
-            norm = float(np.linalg.norm(v))
-            if norm == 0.0:
+            if not v.any():
                 op = type(self).__name__.lower()
                 raise SteeringError(f"vector is all zeros, but {op} needs a direction: pass a nonzero vector")
-            v = v / norm
+            v = unit(v)  # scaled first: 1e30 entries have a direction too
         self.vector = mx.array(v)
         self.alpha = float(alpha)
         self.positions = positions

@@ -158,7 +158,8 @@ class GroupPool(Pool):
         """One line: the slot's last loss and why it was not re-formed."""
         i = max(i for i, (slot, _) in enumerate(self.losses) if slot == w)
         self.losses[i] = (w, f"{self.losses[i][1]}; not re-formed: {why}")
-        say(f"{self.losses[i][1]}: the run goes on with the other groups")
+        if self.alive or self.reforms.keys() - {w}:  # else the run ends here, in one line naming this loss (`gone`)
+            say(f"{self.losses[i][1]}: the run goes on with the other groups")
 
     def back(self, ref: Any) -> None:
         """A ref of a slot's re-forming landed: its next step, or the slot alive again, or left lost."""

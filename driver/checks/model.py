@@ -123,12 +123,13 @@ def check_vocabulary(folder: Path, tokenizer, config: dict) -> None:
                       f"to {size - 1} have no embedding row: use the tokenizer that came with these weights")
 
 
-def check_steering(steer: str, config: dict):
-    """The spec's `worker.spec.Steering` for this model, every problem refused in one line."""
+def check_steering(steer: str, config: dict, dtype: str | None = None):
+    """The spec's `worker.spec.Steering` for this model, every problem refused in one line; values checked in
+    the dtype the model will compute in (`dtype`: model_args' dtype, else its config's)."""
     from driver.steering.spec import SteeringError, for_model
 
     try:
-        return for_model(steer, config).steering
+        return for_model(steer, config, dtype).steering
     except (SteeringError, ValueError, OSError) as e:
         raise Refused((str(e).strip().splitlines() or [type(e).__name__])[0]) from None
 
@@ -152,3 +153,20 @@ def check_site(config: dict, site: str, layers) -> None:
     gap = next((why for layer in layers if (why := site_missing(missing, site, layer))), None)
     if gap:
         raise Refused(f"--site {site}: {gap}")
+
+
+def check_generation_room(config: dict, max_length: int | None, model_args: dict, gen_kwargs: dict | None) -> None:
+    """Every max-new-tokens setting given (model_args' max_gen_toks, --gen-kwargs' max_gen_toks or an alias) leaves
+    room for a prompt in the model's context window: lm-eval keeps the prompt's last (window - max_gen_toks)
+    tokens, so a limit at or past the window could never generate (found by the first request, after Ray)."""
+    from driver.checks.errors import BadUsage
+    from driver.checks.settings import MAX_TOKENS
+    from worker.load import context_window
+
+    window = context_window(config, max_length)
+    given = [(f"--gen-kwargs {k}", (gen_kwargs or {})[k]) for k in MAX_TOKENS if k in (gen_kwargs or {})]
+    given += [("--model-args max_gen_toks", model_args["max_gen_toks"])] if model_args.get("max_gen_toks") is not None else []
+    for where, value in given:
+        if int(value) >= window:
+            raise BadUsage(f"{where}={value}: must be less than the model's context window ({window} tokens), which "
+                           f"must also hold the prompt: give a smaller limit{'' if max_length else ' or a larger --max-length'}")  # fmt: skip

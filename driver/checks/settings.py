@@ -260,10 +260,10 @@ def model_args(text_: str | None, *, flags: dict[str, str], allowed: Iterable[st
 
 # --- --gen-kwargs ----------------------------------------------------------------------------------------------
 
-_MAX_TOKENS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's aliases
+MAX_TOKENS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's aliases
 GEN_KWARGS: dict[str, _Check] = {
     "until": lambda w, v: str(v),
-    **{k: (lambda w, v: whole(w, v, 1, "tokens generated at most")) for k in _MAX_TOKENS},
+    **{k: (lambda w, v: whole(w, v, 1, "tokens generated at most")) for k in MAX_TOKENS},
     "do_sample": boolean,
     "temperature": lambda w, v: number(w, v, "the sampling temperature", low=0.0),
     "top_p": lambda w, v: number(w, v, "nucleus sampling keeps this probability mass", low=0.0, high=1.0, low_open=True),
@@ -281,4 +281,8 @@ def gen_kwargs(text_: str | None) -> dict[str, Any] | None:
                 f"--gen-kwargs: unknown key {key!r}{closest(key, GEN_KWARGS)} (valid keys: {', '.join(sorted(GEN_KWARGS))})"
             )
         out[key] = GEN_KWARGS[key](f"--gen-kwargs {key}=", value)
+    lengths = {k: out[k] for k in MAX_TOKENS if k in out}
+    if len(set(lengths.values())) > 1:  # lm-eval would keep one of them silently
+        given = " and ".join(f"{k}={v}" for k, v in lengths.items())
+        raise SettingError(f"--gen-kwargs {given}: these name the same limit (new tokens at most) with different values: give one")
     return out or None

@@ -18,7 +18,8 @@ from driver.checks.cluster import check_address, check_address_syntax, check_wor
 from driver.checks.fewshot import check_fewshot
 from driver.checks.files import check_cache, writable_folder
 from driver.checks.groups import for_command, tell_chosen
-from driver.checks.model import check_heads_split, check_model, check_steering, check_tokenizer, model_config
+from driver.checks.model import (check_generation_room, check_heads_split, check_model, check_steering, check_tokenizer,
+                                 model_config)
 from driver.checks.tasks import check_tasks, task_manager
 from driver.cli.errors import resumable, usage_errors
 from driver.lm.evaluation import DATASET_HINT, Plan, evaluate, open_model, parse_seeds, save
@@ -122,6 +123,7 @@ def run(
     plan.names, grouping = _preflight(
         model, extra, output_path=output_path, cache=cache, apply_chat_template=apply_chat_template, tasks=tasks,
         include_path=include_path, steer=steer, address=address, group=(size, split, workers),
+        generation=(max_length, plan.gen_kwargs),
     )  # fmt: skip
     args: dict[str, Any] = {
         **extra,
@@ -170,7 +172,7 @@ def in_background(fn, *args) -> Future:
 
 def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: str | None, apply_chat_template: bool,
                tasks: str, include_path: str | None, steer: str | None, address: str | None,
-               group: tuple) -> tuple[list[str], Grouping]:  # fmt: skip
+               group: tuple, generation: tuple = (None, None)) -> tuple[list[str], Grouping]:  # fmt: skip
     """The checks before lm-eval's task index, Ray or a model, in this order; the task names and the worker group.
 
     The output folder (writable, not inside a file), the result cache (a folder that can hold it; an existing
@@ -186,7 +188,8 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
     folder = check_model(model, extra.get("revision"), extra.get("adapter_path"))
     check_tokenizer(folder, apply_chat_template)
     names = check_tasks(tasks, include_path)
-    steering = check_steering(steer, model_config(folder)) if steer else None
+    check_generation_room(model_config(folder), generation[0], extra, generation[1])  # max_length, gen_kwargs
+    steering = check_steering(steer, model_config(folder), extra.get("dtype")) if steer else None
     check_address(address)
     grouping = for_command(*group, model=model, folder=folder, address=address)
     check_heads_split(steering, grouping)

@@ -13,6 +13,7 @@ from driver.checks import settings
 from driver.checks.cluster import check_address, check_workers
 from driver.checks.files import check_cache, writable_folder
 from driver.checks.groups import chosen_lines, for_command
+from driver.checks.model import check_heads_split
 from driver.cli.errors import resumable, usage_errors
 from driver.cli.run import GROUP_HELP, SPLIT_HELP
 from driver.lm.evaluation import on_workers
@@ -93,6 +94,7 @@ def _grouping(plan, flags: tuple, workers: str, address: str | None) -> tuple[Gr
     pretrained = plan.model_args["pretrained"]
     folder = tokenizer_folder(pretrained, plan.model_args.get("revision"))
     found = for_command(size, split, workers, model=pretrained, folder=folder, address=address)
+    check_heads_split(next((c.steering for c in plan.grid if c.head is not None), None), found)
     if found.size > 1:
         check_workers(workers, address, pretrained, found.size)
     return found, chosen_lines(size, split, found)

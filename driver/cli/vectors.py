@@ -67,6 +67,9 @@ def vectors(
         at = vec.parse_position(position)
     except ValueError as e:
         raise BadUsage(f"--position {position}: {one_line(str(e))}") from None
+    if Path(out).suffix.lower() != ".safetensors":  # a spec reads a .npy (or any name) by its suffix: never a lie
+        raise BadUsage(f"--out {out}: driver vectors writes a safetensors file: give a name ending in .safetensors "
+                       f"(e.g. {Path(out).with_suffix('.safetensors').name})")  # fmt: skip
     writable_file(out, "--out")
     folder = check_model(model, args.get("revision"), args.get("adapter_path"))
     check_tokenizer(folder)

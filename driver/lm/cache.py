@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sqlite3
 import struct
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from worker.spec import Job, Steering
 
@@ -93,6 +97,37 @@ def grid_keys(ident: bytes, kind: str, steerings: Sequence[Steering], requests: 
     return out
 
 
+_UNUSABLE = object()
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def usable(kind: str | None, value: Any) -> bool:
+    """Whether a stored value is a result of `kind` as the workers return it: loglikelihood [finite float, bool],
+    generate a text, capture finite numbers (nested lists); None: anything JSON."""
+    if kind == "loglikelihood":
+        return isinstance(value, list) and len(value) == 2 and _finite(value[0]) and isinstance(value[1], bool)
+    if kind == "generate":
+        return isinstance(value, str)
+    if kind == "capture":
+        try:
+            array = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            return False
+        return isinstance(value, list) and array.size > 0 and bool(np.isfinite(array).all())
+    return True
+
+
+def _parsed(text: Any, kind: str | None) -> Any:
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return _UNUSABLE
+    return value if usable(kind, value) else _UNUSABLE
+
+
 class Cache:
     """One sqlite connection, usable from any thread one call at a time (a lock): the executor that holds it
     may be closed by its finalizer on whichever thread collects it (sqlite's own check would refuse that).
@@ -111,6 +146,7 @@ class Cache:
         if problem:
             raise ValueError(problem)
         self.lock = threading.Lock()
+        self.said_unusable = False
         self.db: sqlite3.Connection | None = None
         self.closed = False
         if self.path.exists():
@@ -134,7 +170,9 @@ class Cache:
         """The connection for a read, None while no file exists (nothing is stored; another process may make one)."""
         return self._open() if self.db is not None or self.closed or self.path.exists() else None
 
-    def get(self, keys: Sequence[bytes]) -> dict[bytes, Any]:
+    def get(self, keys: Sequence[bytes], kind: str | None = None) -> dict[bytes, Any]:
+        """The stored results of `keys`. A row that is not JSON, or (given the requests' `kind`) not a result of
+        that kind or not finite, is no result: it is deleted, said once on stderr, and so computed again."""
         found: dict[bytes, Any] = {}
         for i in range(0, len(keys), 500):
             part = keys[i : i + 500]
@@ -143,8 +181,25 @@ class Cache:
                 if db is None:
                     return found
                 rows = db.execute(f"SELECT key, value FROM results WHERE key IN ({','.join('?' * len(part))})", part).fetchall()
-            found.update((k, json.loads(v)) for k, v in rows)
+            bad = []
+            for k, v in rows:
+                value = _parsed(v, kind)
+                if value is _UNUSABLE:
+                    bad.append(k)
+                else:
+                    found[k] = value
+            if bad:
+                self._drop(bad, kind)
         return found
+
+    def _drop(self, keys: list[bytes], kind: str | None) -> None:
+        with self.lock, self._open() as db:
+            db.executemany("DELETE FROM results WHERE key = ?", [(k,) for k in keys])
+        if not self.said_unusable:
+            self.said_unusable = True
+            what = f"{kind} result" if kind else "result"
+            print(f"note: {len(keys)} row(s) of the result cache {self.path} are not a usable {what} (not JSON, the wrong "
+                  "type, or NaN/inf): computing them again", file=sys.stderr)  # fmt: skip
 
     def put(self, items: Iterable[tuple[bytes, Any]]) -> None:
         """Store and commit (durable once this returns)."""

@@ -24,10 +24,13 @@ def parse_seeds(value: str) -> dict[str, int | None]:
         parts *= 4
     if len(parts) != 4:
         raise click.BadParameter(f"{value!r}: give one integer or four comma-separated ones", param_hint="--seed")
-    try:
-        seeds = [None if p == "None" else int(p) for p in parts]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a list of integers", param_hint="--seed") from None
+    from driver.checks.settings import integer
+
+    seeds = [None if p == "None" else integer(p) for p in parts]  # ASCII digits only, as every whole number
+    if any(s is None for s, p in zip(seeds, parts) if p != "None"):
+        raise click.BadParameter(f"{value!r} is not a list of integers in ASCII digits", param_hint="--seed")
+    if any(s is not None and not 0 <= s < 2**32 for s in seeds):  # numpy's seed range, which lm-eval seeds with each
+        raise click.BadParameter(f"{value!r}: each seed must be in 0..{2**32 - 1}", param_hint="--seed")
     return dict(zip(("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seeds))
 
 
@@ -130,6 +133,8 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     from driver.lm.quiet import quiet_lm_eval
 
     quiet_lm_eval()
+    # HF's sampling draws from torch's generator, which lm-eval seeds with torch_random_seed: ours takes that seed
+    lm.sampling_seed = plan.seeds.get("torch_random_seed")
     tracker = EvaluationTracker(output_path=output_path)
     try:
         results = lm_eval.simple_evaluate(

@@ -64,8 +64,9 @@ class OrchardLM(TemplateLM):
         self.tokenizer, self.generation_defaults = files.tokenizer, files.generation_defaults
         self._max_length = context_window(files.config, self.spec.max_length)
         self.max_gen_toks = int(max_gen_toks)
+        self.sampling_seed: int | None = None  # the run's seed for sampled generation (set by driver.lm.evaluation)
         self._token_plan: Plan | None = None  # what driver.lm.tokenize proved for this tokenizer (on first use)
-        self.steering, self.steering_record = model_setup.model_steering(steer, files.config)
+        self.steering, self.steering_record = model_setup.model_steering(steer, files.config, self.spec.dtype)
         self.identity = model_setup.model_identity(self.spec, files.folder, self._max_length)
         self.executor: Executor = self.make_executor(self.spec, self.batching)
 
@@ -207,11 +208,11 @@ class OrchardLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
         return totals
 
-    def generation_request(self, context: str, gen_kwargs: dict, occurrence: int = 0) -> GenRequest:
-        return generation.request(self, context, gen_kwargs, occurrence)
+    def generation_request(self, context: str, gen_kwargs: dict, occurrence: int = 0, run_seed: int | None = None) -> GenRequest:
+        return generation.request(self, context, gen_kwargs, occurrence, run_seed)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        gen_requests = [self.generation_request(*r) for r in generation.occurrences(requests)]
+        gen_requests = [self.generation_request(*r, self.sampling_seed) for r in generation.occurrences(requests)]
         with finite_generation(requests, self.steering):
             outputs = self.executor.run(self.job("generate"), gen_requests)
         for r, text in zip(requests, outputs):

@@ -110,12 +110,12 @@ def read_model_files(spec: ModelSpec) -> ModelFiles:
     return ModelFiles(folder, tokenizer, config, json.loads(gen_config.read_text()) if gen_config.exists() else {})
 
 
-def model_steering(steer: str | dict | Steering | None, config: dict) -> tuple[Steering, dict | None]:
-    """The steering active for every request of a model, checked against its config before any worker starts,
-    and what the results record of it (None without steering)."""
+def model_steering(steer: str | dict | Steering | None, config: dict, dtype: str | None = None) -> tuple[Steering, dict | None]:
+    """The steering active for every request of a model, checked against its config (in `dtype`, the model_args'
+    dtype, else the config's) before any worker starts, and what the results record of it (None without steering)."""
     if steer is None or steer == "":
         return NO_STEERING, None
-    loaded = for_model(steer, config)
+    loaded = for_model(steer, config, dtype)
     steering = loaded.steering
     return steering, {**loaded.record, "key": steering.key(), "resolved_layers": [i.layer for i in steering.interventions]}
 

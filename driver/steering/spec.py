@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 
 from worker.load import model_shape
-from worker.spec import (FLOAT_MAX, Intervention, Steering, SteeringError, head_problem, head_shape, site_missing,
+from worker.spec import (FLOAT_MAX, HEAD_SITES, Intervention, Steering, SteeringError, head_problem, head_shape, site_missing,
                          overflow, steering_overflow)  # fmt: skip
 
 from driver.steering.schema import InterventionSpec, SaeRef, SpecFile, VectorRef, spec_error, validate_spec
-from driver.steering.userfiles import load_yaml, yaml_problem
+from driver.steering.userfiles import load_yaml, read_npy, yaml_problem
 
 __all__ = ["SteeringError", "SteeringRun", "SpecFile", "load_steering", "for_model", "check", "model_shape", "warn_once"]
 
@@ -97,21 +97,6 @@ def _file_sha256(path: Path, memo: dict[Path, str]) -> str:
     return memo[path]
 
 
-def _read_npy(path: Path, fail) -> np.ndarray:
-    try:
-        array = np.load(path, allow_pickle=False)  # never unpickle: a pickle can run code
-    except ValueError as e:
-        if "allow_pickle" in str(e):
-            problem = "holds pickled data or Python objects, not a plain array"
-            raise fail(f"{path} {problem}; save a float array with numpy.save") from None
-        raise fail(f"{path} is not a readable .npy file ({e})") from None
-    except (OSError, EOFError) as e:
-        raise fail(f"{path} is not a readable .npy file ({e})") from None
-    if not isinstance(array, np.ndarray):  # np.load opens a zip (.npz) whatever its name
-        raise fail(f"{path} is an .npz archive, not a .npy array; save one vector with numpy.save")
-    return array
-
-
 def _read_safetensors(path: Path, key: str, fail) -> tuple[np.ndarray, dict | None]:
     from safetensors import safe_open
 
@@ -147,6 +132,17 @@ def _default_key(iv: InterventionSpec, n_layers: int | None, fail) -> str:
     return f"{iv.site}.{iv.layer + n_layers}" + (f".{iv.head}" if iv.head is not None else "")
 
 
+def _same_head(key: str, iv: InterventionSpec, fail) -> None:
+    """A key `attn_head.L.h` (as `driver vectors` writes them) names its head: another head's vector is refused."""
+    parts = key.split(".")
+    if iv.head is None or len(parts) != 3 or parts[0] not in HEAD_SITES or not parts[2].isdigit():
+        return
+    if int(parts[2]) != iv.head:
+        fixed = ".".join([*parts[:2], str(iv.head)])
+        raise fail(f"key '{key}' is the vector of head {parts[2]}, but this intervention steers head {iv.head}: "
+                   f"give key '{fixed}', or head: {parts[2]}", ".key")  # fmt: skip
+
+
 def _load_vector(
     iv: InterventionSpec, field: str, base: Path, where: str, memo: dict, n_layers: int | None = None, hidden: int | None = None
 ) -> tuple[np.ndarray, dict]:
@@ -172,9 +168,10 @@ def _load_vector(
         raise fail("`key` applies only to .safetensors files; remove it", ".key")
     key, metadata = None, None
     if suffix == ".npy":
-        array = _read_npy(path, fail)
+        array = read_npy(path, fail)
     else:
         key = ref.key if ref.key is not None else _default_key(iv, n_layers, fail)
+        _same_head(key, iv, fail)
         array, metadata = _read_safetensors(path, key, fail)
     vector = _checked(array, iv, fail)
     record = {
@@ -259,8 +256,9 @@ def _in_range(iv: InterventionSpec, n_layers: int | None, fail) -> None:
 
 def _in_dtype(iv: InterventionSpec, vector: np.ndarray, dtype: str, fail) -> None:
     """alpha, the vector, its norm and alpha*v are finite in `dtype`, as the worker computes them."""
+    along = iv.normalize or iv.op in _NO_DIRECTION_OPS  # only u = v/|v| enters the model (`worker.spec.unit`)
     for field, problem in ((".alpha", overflow("alpha", np.float64(iv.alpha), dtype)),
-                           (".vector", overflow("the vector", vector.astype(np.float64), dtype))):  # fmt: skip
+                           (".vector", None if along else overflow("the vector", vector.astype(np.float64), dtype))):  # fmt: skip
         if problem:
             raise fail(field, f"{problem}, the precision the model computes in: use smaller values")
     found = steering_overflow(iv.alpha, vector.astype(np.float64), iv.op, iv.normalize, dtype)
@@ -359,7 +357,13 @@ def for_model(source: str | os.PathLike | Mapping | SpecFile | Steering, config:
 
     loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype), missing=missing_sites(config),
                            hidden=hidden)
-    return SteeringRun(check(loaded.steering, n_layers, hidden, head_shape(config)), loaded.record)
+    try:
+        return SteeringRun(check(loaded.steering, n_layers, hidden, head_shape(config)), loaded.record)
+    except SteeringError as e:  # the model's shape refuses it: name the file, as every other refusal does
+        if isinstance(source, Steering):
+            raise
+        where = str(Path(source).expanduser()) if isinstance(source, (str, os.PathLike)) else "steering spec (dict)"
+        raise spec_error(where, "", str(e)) from None
 
 
 _WARNED: set[str] = set()

@@ -42,6 +42,10 @@ def explain(err: dict, list_of: str = "a list") -> str:
         return f"must be a number, not {text}"
     if kind.startswith("bool_"):
         return f"must be true or false, not {text}"
+    if kind == "greater_than_equal" and any(part in ("head", "heads") for part in err.get("loc", ())):
+        from worker.spec import NEGATIVE_HEAD
+
+        return f"{text}: {NEGATIVE_HEAD}: give a head >= 0"
     if kind in ("greater_than", "greater_than_equal"):
         return err["msg"].replace("Input should be", "must be") + f", not {text}"
     if kind == "value_error":
@@ -62,6 +66,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         if isinstance(node, yaml.MappingNode):
             seen: dict[Any, int] = {}
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` merges a mapping (its keys may be overridden here): the loader flattens it
                 key = self.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
                 if isinstance(key, (str, int, float, bool)) and key in seen:
@@ -109,3 +115,40 @@ def jsonl_lines(path: Path, fail: Callable[[str], Exception], missing: str, fold
         except json.JSONDecodeError as e:
             raise fail(f"{path}: line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
     return lines
+
+
+def read_npy(path: Path, fail) -> "np.ndarray":
+    """A .npy file's array, never unpickled; `fail(problem)` makes the error to raise."""
+    import numpy as np
+
+    try:
+        array = np.load(path, allow_pickle=False)  # never unpickle: a pickle can run code
+    except ValueError as e:
+        if "allow_pickle" in str(e):
+            problem = what_it_is(path) or "holds pickled data or Python objects, not a plain array; save a float array with numpy.save"
+            raise fail(f"{path} {problem}") from None
+        raise fail(f"{path} is not a readable .npy file ({e})") from None
+    except (OSError, EOFError) as e:
+        raise fail(f"{path} is not a readable .npy file ({e})") from None
+    if not isinstance(array, np.ndarray):  # np.load opens a zip (.npz) whatever its name
+        raise fail(f"{path} is an .npz archive, not a .npy array; save one vector with numpy.save")
+    return array
+
+
+def what_it_is(path: Path) -> str | None:
+    """What a file named .npy that numpy cannot read as an array really is, with the fix; None if unknown.
+    np.load takes anything without the .npy magic for a pickle."""
+    with path.open("rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"\x93NUMPY"):
+        return None  # a real .npy of Python objects
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:
+        return "is a safetensors file, not a .npy array: rename it to .safetensors (and give `key:` if needed)"
+    if head.startswith(b"\x80"):
+        return "is a pickle, which Orchard never loads (unpickling can run code); save a float array with numpy.save"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # not just a character cut at the 4096th byte
+            return "is not a .npy array (no .npy header); save a float array with numpy.save"
+    return "is a text file, not a .npy array; save a float array with numpy.save (numpy.loadtxt reads text)"

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.spec import HEAD_SITES, SITES
+from worker.spec import HEAD_SITES, NEGATIVE_HEAD, SITES
 
+from driver.checks.settings import integer
 from driver.steering.userfiles import jsonl_lines
 
 METHODS = ("mean-diff", "pca-diff", "pca-center")
@@ -84,19 +85,21 @@ def pairs_sha256(pairs: Sequence[Pair]) -> str:
 
 def parse_layers(spec: str, n_layers: int, what: str = "layer") -> list[int]:
     """"all" or comma-separated layers ("2,3,4"; "-1": the last block), resolved to 0..n_layers-1, in order.
-    `what`: what the numbers count ("head" for --heads)."""
+    `what`: what the numbers count ("head" for --heads: heads never count from the end, `NEGATIVE_HEAD`)."""
     spec = spec.strip()
     if spec == "all":
         return list(range(n_layers))
     layers: list[int] = []
     for item in spec.split(","):
-        try:
-            layer = int(item.strip())
-        except ValueError:
-            raise ValueError(f"bad {what} {item.strip()!r} in {spec!r}: use 'all' or integers like 2,3,4 or -1") from None
+        layer = integer(item)  # ASCII digits only, as every whole number (Python's int() reads 1_0 as 10)
+        if layer is None:
+            raise ValueError(f"bad {what} {item.strip()!r} in {spec!r}: use 'all' or integers like 2,3,4 or -1")
+        if what == "head" and layer < 0:
+            raise ValueError(f"head {layer}: {NEGATIVE_HEAD}: give 0..{n_layers - 1} or all")
         if not -n_layers <= layer < n_layers:
             raise ValueError(
-                f"{what} {layer} is out of range: the model has {n_layers} {what}s (0..{n_layers - 1} or -{n_layers}..-1)"
+                f"{what} {layer} is out of range: the model has {n_layers} {what}s "
+                f"(0..{n_layers - 1}{'' if what == 'head' else f' or -{n_layers}..-1'})"
             )
         layer %= n_layers
         if layer in layers:
@@ -110,10 +113,10 @@ def parse_position(spec: str) -> int:
     spec = spec.strip()
     if spec == "last":
         return -1
-    try:
-        return int(spec)
-    except ValueError:
-        raise ValueError(f"bad position {spec!r}: use 'last' or a token index like -2 or 5") from None
+    position = integer(spec)
+    if position is None:
+        raise ValueError(f"bad position {spec!r}: use 'last' or a token index like -2 or 5")
+    return position
 
 
 def _position_problem(n: int, position: int, max_length: int | None) -> str | None:
@@ -158,6 +161,17 @@ def same_sides(requests: Sequence[tuple[tuple[int, ...], int]], pairs: Sequence[
     return [pair for k, pair in enumerate(pairs) if requests[k] == requests[n + k]]
 
 
+def same_at_position(requests: Sequence[tuple[tuple[int, ...], int]], pairs: Sequence[Pair], max_length: int | None) -> list[Pair]:
+    """Pairs whose two texts agree on every token up to the read position (of what the model keeps): a causal
+    model's activations there are then the same (--position 0 reads the BOS token of both), so the difference is zero."""
+    def upto(tokens: tuple[int, ...], position: int) -> tuple[int, ...]:
+        kept = tokens[-max_length:] if max_length else tokens
+        return kept[: (position % len(kept) if position < 0 else position - (len(tokens) - len(kept))) + 1]
+
+    n = len(pairs)
+    return [pair for k, pair in enumerate(pairs) if upto(*requests[k]) == upto(*requests[n + k])]
+
+
 def truncated(requests: Sequence[tuple[tuple[int, ...], int]], max_length: int) -> int:
     """How many capture texts are longer than the model's context (the capture keeps their last max_length tokens)."""
     return sum(len(tokens) > max_length for tokens, _ in requests)
@@ -193,6 +207,13 @@ def check_pairs(path: str | os.PathLike, pairs: Sequence[Pair], encode: Callable
         raise PairsError(
             f"{path}: {same[0].where}: the positive and negative texts are the same tokens{more}, so their "
             "difference is zero at every layer: make the two sides of each pair differ"
+        )
+    alike = same_at_position(requests, pairs, max_length)
+    if len(alike) == len(pairs):
+        raise PairsError(
+            f"{path}: the positive and negative texts of every pair agree on every token up to position {position}, so "
+            "the activations read there are the same and every vector would be zero: read a position where the texts "
+            "differ (e.g. --position last)"
         )
     long = truncated(requests, max_length)
     if long:

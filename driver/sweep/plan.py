@@ -147,14 +147,18 @@ def _vector_ref(name: str, source: VectorSource, at: tuple, n_layers: int, where
     return label, ref
 
 
-def _load_vector(name: str, source: VectorSource, at: tuple, directionless: bool, model: _Model, base: Path, where: str):
+def _load_vector(name: str, source: VectorSource, at: tuple, ops: Sequence[str], model: _Model, base: Path, where: str):
     """The checked `Intervention` (alpha 1, op add) for one vector at `at` = (site, layer, head), and its record;
     checked as `driver run` checks a spec (driver.steering.spec.for_model): shape, dtype, the sites the model has."""
     from driver.steering.spec import SteeringError, for_model
 
     site, layer, head = at
     label, ref = _vector_ref(name, source, at, model.n_layers, where)
-    iv = {"layer": layer, "site": site, "op": "ablate" if directionless else "add", "vector": ref, "normalize": source.normalize}
+    # checked as add writes it (in the model's dtype) when an op writes v itself, and for a direction (a zero
+    # vector refused naming the op) when an op needs one: ablate, clamp
+    directionless = next((op for op in ops if op in _DIRECTIONLESS), None)
+    checked_as = "add" if directionless is None or any(op not in _DIRECTIONLESS for op in ops) else directionless
+    iv = {"layer": layer, "site": site, "op": checked_as, "vector": ref, "normalize": source.normalize}
     spec = {"interventions": [iv if head is None else {**iv, "head": head}]}
     try:
         loaded = for_model(spec, model.config, model.dtype, base)
@@ -168,7 +172,12 @@ def _load_vector(name: str, source: VectorSource, at: tuple, directionless: bool
         text = text.replace("interventions[0].", "")
         at_head = "" if head is None else f", head {head}"
         raise SweepError(one_line(f"{where}: {label}{text} (layer {layer}, site {site}{at_head})")) from None
-    return loaded.steering.interventions[0].model_copy(update={"op": "add"}), loaded.record["vectors"][0]
+    first = loaded.steering.interventions[0]
+    if directionless and not any(first.vector):
+        at_head = "" if head is None else f", head {head}"
+        raise SweepError(f"{where}: {label}: is all zeros, so it has no direction for op {directionless}: use a nonzero "
+                         f"vector (layer {layer}, site {site}{at_head})")  # fmt: skip
+    return first.model_copy(update={"op": "add"}), loaded.record["vectors"][0]
 
 
 def _fmt_alpha(alpha: float) -> str:
@@ -221,14 +230,13 @@ def _config(name: str, at: tuple, op: str, positions: str, alpha: float | None, 
 def _configs(spec: SweepFile, layers: list[int], heads: list[int], model: _Model, base: Path, where: str) -> list[Config]:
     """The baseline, then every configuration of the grid (heads innermost, at a head site only)."""
     g = spec.grid
-    directionless = any(op in _DIRECTIONLESS for op in g.ops)
     configs = [Config(BASELINE, NO_STEERING)]
     loaded: dict[tuple, tuple[Intervention, dict]] = {}
     for name, site, op, positions, layer in itertools.product(_vector_names(spec, where), g.sites, g.ops, g.positions, layers):
         for head in heads if site in HEAD_SITES else [None]:
             at = (site, layer, head)
             if (name, at) not in loaded:  # each vector read and checked once, whatever the ops and positions
-                loaded[(name, at)] = _load_vector(name, _source(spec, name), at, directionless, model, base, where)
+                loaded[(name, at)] = _load_vector(name, _source(spec, name), at, g.ops, model, base, where)
             alphas = [None] if op == "ablate" else [a for a in g.alphas if not (a == 0 and op in _IDENTITY_AT_ZERO)]
             configs += [_config(name, at, op, positions, alpha, loaded[(name, at)], where) for alpha in alphas]
     if len(configs) == 1:

@@ -164,12 +164,31 @@ class Tasks(BaseModel):
     model_config = _Frozen
 
     names: tuple[str, ...]
-    limit: Annotated[float, Field(gt=0)] | None = None
+    limit: Annotated[float, Field(gt=0, strict=True)] | None = None
     num_fewshot: StrictInt | None = Field(default=None, ge=0)
     include_path: str | None = None
     gen_kwargs: str | None = None
     apply_chat_template: StrictBool = False
-    seed: StrictInt | None = None  # one seed for python, numpy, torch and few-shot sampling (lm-eval's defaults if unset)
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**32)  # one seed for python, numpy, torch and few-shot sampling (lm-eval's defaults if unset)
+
+    @field_validator("limit")
+    @classmethod
+    def _limit(cls, v: float | None) -> float | int | None:
+        """As `driver run --limit` reads it: a whole number of documents, or a fraction below 1."""
+        if v is not None and v >= 1 and v != int(v):
+            raise ValueError(f"{v:g} is not a whole number: give a whole number of documents per task (>= 1), or a fraction between 0 and 1")
+        return v if v is None or v < 1 else int(v)
+
+    @field_validator("gen_kwargs")
+    @classmethod
+    def _gen_kwargs(cls, v: str | None) -> str | None:
+        """Checked as `driver run --gen-kwargs` is (known keys, values in range, no two max-token aliases that
+        disagree); lm-eval gets the text as written."""
+        try:
+            settings.gen_kwargs(v)
+        except settings.SettingError as e:
+            raise ValueError(str(e).removeprefix("--gen-kwargs").lstrip(": ")) from None
+        return v
 
     @field_validator("names", mode="before")
     @classmethod
@@ -194,7 +213,7 @@ class PromptSet(BaseModel):
     name: str | None = None  # default: the file's stem
     generate: StrictBool = True
     max_gen_toks: StrictInt = Field(default=64, ge=1)
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)] = 0.0  # strict: `true` is not 1.0
     seed: StrictInt = 0  # with temperature > 0: each (prompt, seed) draws the same sample on any worker
     until: tuple[str, ...] = ()
     # a target's summed log-prob (its whole probability), or its mean per token; unset: sum, with a warning
