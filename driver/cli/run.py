@@ -22,6 +22,7 @@ from driver.checks.model import check_heads_split, check_model, check_steering, 
 from driver.checks.tasks import check_tasks, task_manager
 from driver.cli.errors import resumable, usage_errors
 from driver.lm.evaluation import DATASET_HINT, Plan, evaluate, open_model, parse_seeds, save
+from driver.lm.quiet import phase
 
 # model_args keys that have a flag of their own (a flag and a model_arg must never silently disagree)
 RUN_FLAGS = {
@@ -146,7 +147,8 @@ def run(
         lm = open_model(args)
         tell_chosen(size, split, grouping)
         try:
-            plan.manager = indexing.result()
+            with phase("indexing lm-eval's tasks", after=1.0):  # said only when lm-eval is still at it
+                plan.manager = indexing.result()
             done = evaluate(lm, args, plan, output_path)
         finally:
             lm.executor.close()
