@@ -312,6 +312,9 @@ def _local_cluster() -> str | None:
 def describe(address: str | None) -> str:
     """What `connect(address)` will do, in words for a phase line: start an embedded Ray or join which cluster
     (and, with no address given, the `driver cluster up` cluster it does not use)."""
+    ray = sys.modules.get("ray")
+    if address in (None, "auto") and ray is not None and ray.is_initialized():  # connect() reuses it
+        return f"using the Ray cluster this process is connected to, at {ray.get_runtime_context().gcs_address}"
     target, source = source_of(address)
     ours = _local_cluster()
     if target == LOCAL:

@@ -16,6 +16,7 @@ from driver.checks.groups import chosen_lines, for_command
 from driver.cli.errors import resumable, usage_errors
 from driver.cli.run import GROUP_HELP, SPLIT_HELP
 from driver.lm.evaluation import on_workers
+from driver.lm.quiet import phase, say
 
 
 @click.command("sweep")
@@ -66,9 +67,10 @@ def sweep_command(
         with resumable(cache or folder / "cache"):
             outcome = run_sweep(
                 plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, stage=stage,
-                grouping=grouping, notes=notes, echo=click.echo,
+                grouping=grouping, notes=notes, echo=say,
             )
-            written = report.write_outputs(outcome, folder)
+            with phase(f"writing the tables, summary.md and plots under {folder}"):
+                written = report.write_outputs(outcome, folder)
     except ValueError as e:  # a request the model refuses (e.g. a prompt longer than the context window)
         raise click.ClickException(" ".join(str(e).split())) from None
     finally:

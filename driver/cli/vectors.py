@@ -16,6 +16,7 @@ from driver.checks.model import check_model, check_site, check_tokenizer, model_
 from driver.cli.errors import one_line, usage_errors
 from driver.cli.run import GROUP_HELP, SPLIT_HELP
 from driver.lm.evaluation import lost_workers_line, on_workers, open_model
+from driver.lm.quiet import say
 from worker.spec import HEAD_SITES, SITES, head_shape, missing_sites
 
 VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads",
@@ -101,6 +102,7 @@ def vectors(
     tell_chosen(size, split, grouping)
     try:
         capture = lambda requests, points: lm.executor.run(lm.job("capture", points=tuple(points)), requests)  # noqa: E731
+        say(f"capturing {site} at {len(resolved)} layer{'s' * (len(resolved) != 1)} for {len(read)} pairs ({2 * len(read)} texts)")
         found = vec.extract(capture, encode, read, resolved, site, method, at, chosen_heads, head_dim)
         info = lm.executor.info()
     except ValueError as e:
