@@ -190,7 +190,7 @@ def test_status_and_a_second_up(up: Up):
     proc = driver("cluster", "status", env=_env(up.home))
     assert proc.returncode == 0 and f"address: {up.address}" in proc.stdout and f"{NODES} nodes" in proc.stdout, proc.stderr
     proc = driver("cluster", "status", "--env", env=_env(up.home))
-    assert proc.returncode == 0 and proc.stdout.startswith("export RAY_AUTH_MODE=token ")
+    assert proc.returncode == 0 and proc.stdout.startswith(f"export RAY_ADDRESS={up.address} RAY_AUTH_MODE=token ")
     proc = driver("cluster", "up", "--nodes", "2", env=_env(up.home))
     one_line_error(proc, f"a local cluster is already running at {up.address} ({NODES} nodes)")
 

@@ -31,10 +31,23 @@ def parse_seeds(value: str) -> dict[str, int | None]:
     return dict(zip(("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seeds))
 
 
+def per_worker(info: dict) -> dict[str, dict]:
+    """Every worker (group, by name) with the requests it computed and its rate, 0 included; one that computed
+    none says why (lost, or idle: the others took every chunk), one lost after computing some says lost."""
+    computed, rates, lost = info.get("requests_computed") or {}, info.get("requests_per_s") or {}, set(info.get("lost", []))
+    names = list(info.get("names") or []) or sorted(computed)
+    out = {}
+    for name in names + sorted(set(computed) - set(names)):  # a worker that left the pool still counts what it did
+        row = {"requests": computed.get(name, 0), "requests_per_s": rates.get(name, 0.0)}
+        if name in lost:
+            row["lost"] = True
+        if not row["requests"]:
+            row["why_none"] = "lost before it finished a chunk" if name in lost else "idle: the other workers took every chunk"
+        out[name] = row
+    return out
+
+
 def _summary(info: dict, seconds: float) -> dict:
-    per_worker = {
-        name: {"requests": n, "requests_per_s": info["requests_per_s"][name]} for name, n in sorted(info["requests_computed"].items())
-    }
     return {
         "address": info["address"],
         "workers": info["workers"],
@@ -42,7 +55,7 @@ def _summary(info: dict, seconds: float) -> dict:
         "nodes": info["nodes"],
         "requests": sum(info["requests_computed"].values()) + info["requests_cached"],
         "requests_cached": info["requests_cached"],
-        "per_worker": per_worker,
+        "per_worker": per_worker(info),
         "scoring_s": info["seconds"],
         "wall_s": round(seconds, 3),
         "cache": info["cache"],
@@ -69,7 +82,8 @@ def _print_summary(summary: dict) -> None:
         f"in {summary['wall_s']:.1f} s"
     )
     for name, row in summary["per_worker"].items():
-        click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s")
+        why = f"  ({row['why_none']})" if "why_none" in row else "  (lost)" if row.get("lost") else ""
+        click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s{why}")
     if any(s["peak_bytes"] for s in summary["prefix_store"]):  # only when generation stored prefixes: else noise
         click.echo(prefix_store_line(summary["prefix_store"]))
 

@@ -56,6 +56,15 @@ class ToldWorkers(Workers):
             return super().ready()
 
 
+class ToldExecutor(RayExecutor):
+    """cluster.executor.RayExecutor whose facts name every worker (group), so a summary lists the idle and the
+    lost ones too, not only those that computed something."""
+
+    def info(self) -> dict:
+        names, alive = self.workers.names, self.pool.alive
+        return super().info() | {"names": list(names), "lost": [n for i, n in enumerate(names) if i not in alive]}
+
+
 def ray_executor(
     spec: ModelSpec, batching: Batching, *, model_identity: dict, max_length: int, cache_dir: str | None = None,
     grouping: Grouping = Grouping(), **options,
@@ -65,7 +74,7 @@ def ray_executor(
     (workers, address, threads, files, ...)."""
     workers = ToldWorkers(spec, batching, grouping=grouping, **options)  # the worker count checked before the cache is opened
     cache = Cache(cache_dir) if cache_dir else None
-    return RayExecutor(
+    return ToldExecutor(
         workers, cache=cache, progress=Progress(), notes=warn_once, model_identity=model_identity, max_length=max_length
     )
 

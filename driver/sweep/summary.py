@@ -156,5 +156,6 @@ def summary_md(outcome, plots: dict[tuple[str, str], list[str]], facts: dict) ->
                f"(cache: `{facts['cache']}`)",
                "", "| worker | requests | requests/s |", "|---|---|---|"]  # fmt: skip
     for name, w in facts["per_worker"].items():
-        lines_.append(f"| {name} | {w['requests']} | {w['requests_per_s'] if w['requests_per_s'] is not None else '–'} |")
+        why = f" ({w['why_none']})" if "why_none" in w else " (lost)" if w.get("lost") else ""
+        lines_.append(f"| {name} | {w['requests']}{why} | {w['requests_per_s'] if w['requests_per_s'] is not None else '–'} |")
     return "\n".join(lines_) + "\n"
