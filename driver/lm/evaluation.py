@@ -130,6 +130,34 @@ class Evaluation:
     results: dict  # what simple_evaluate returned
     info: dict  # the executor's facts: workers, requests per worker, seconds
     tracker: Any  # lm-eval's EvaluationTracker, which knows where and how to write the results
+    steered: str | None = None  # the line naming the run's steering, printed above its table
+
+
+def results_name(model: str, steering: dict | None = None) -> str:
+    """The results folder's name under the output path, one rule for every command: a local model folder by its
+    path from here when it lies below this folder (else its own name), a Hub id as lm-eval writes it (`/` -> `__`);
+    a steered run's carries `+steer-` and its steering key, so it never shares the unsteered run's folder."""
+    path = Path(model).expanduser()
+    if path.exists():
+        try:
+            below = path.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            below = Path()
+        model = str(below) if below.parts else path.resolve().name  # not below here, or here itself: its own name
+    name = "__".join(part for part in model.replace("\\", "/").split("/") if part not in ("", "."))
+    return name + (f"+steer-{steering['key'][:12]}" if steering else "")
+
+
+def steered_line(lm) -> str | None:
+    """'steered by SPEC (key ...): L3 resid_post add α=4, ...' for a steered model; None for an unsteered one."""
+    record = lm.steering_record
+    if not record:
+        return None
+    parts = [f"L{i.layer} {i.site}{'' if i.head is None else f'.{i.head}'} {i.op}"
+             + ("" if i.op == "ablate" else f" α={i.alpha:g}") + ("" if i.positions == "all" else f" ({i.positions})")
+             for i in lm.steering.interventions]  # fmt: skip
+    source = record.get("source") or "an inline spec"
+    return f"steered by {source} (key {record['key'][:12]}): {', '.join(parts)}"
 
 
 def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Evaluation:
@@ -168,7 +196,8 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     except ConnectionError as e:  # `datasets` cannot fetch a task's data (offline, or the Hub unreachable)
         raise click.ClickException(f"a task's dataset cannot be loaded: {e}: {DATASET_HINT}") from None
     results["config"]["model"] = "mlx-ray"
-    return Evaluation(results, lm.executor.info(), tracker)
+    tracker.general_config_tracker.model_name_sanitized = results_name(str(model_args["pretrained"]), lm.steering_record)
+    return Evaluation(results, lm.executor.info(), tracker, steered_line(lm))
 
 
 def lost_workers_line(message: str, lm) -> str:
@@ -197,6 +226,8 @@ def save(done: Evaluation, output_path: str, seconds: float) -> Path:
     summary = _summary(done.info, seconds)
     folder = Path(output_path) / tracker.general_config_tracker.model_name_sanitized
     (folder / f"summary_{tracker.date_id}.json").write_text(json.dumps(summary, indent=2, default=handle_non_serializable))
+    if done.steered:  # the table below is the steered model's: say so above it
+        click.echo(done.steered)
     click.echo(make_table(results))
     if "groups" in results:
         click.echo(make_table(results, "groups"))
