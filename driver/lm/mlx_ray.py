@@ -75,7 +75,8 @@ def ray_executor(
     workers = ToldWorkers(spec, batching, grouping=grouping, **options)  # the worker count checked before the cache is opened
     cache = Cache(cache_dir) if cache_dir else None
     return ToldExecutor(
-        workers, cache=cache, progress=Progress(), notes=warn_once, model_identity=model_identity, max_length=max_length
+        workers, cache=cache, progress=Progress(unit="group" if grouping.size > 1 else "worker"), notes=warn_once,
+        model_identity=model_identity, max_length=max_length,
     )
 
 
