@@ -48,3 +48,15 @@ def test_datasets_split_bars_are_off():
     datasets.enable_progress_bars()
     quiet.install()
     assert not datasets.is_progress_bar_enabled()
+
+
+def test_a_missing_datasets_hint_fits_the_case(monkeypatch):
+    from driver.lm.evaluation import dataset_hint
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    arc = dataset_hint("Couldn't reach 'allenai/ai2_arc' on the Hub (offline mode is enabled)")
+    assert "mmlu" not in arc and arc.endswith("or allow downloads (unset HF_DATASETS_OFFLINE)")  # only the one set
+    assert "cais___mmlu" in dataset_hint("Couldn't reach 'cais/mmlu' on the Hub")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    assert dataset_hint("x").endswith("or let this machine reach the Hugging Face Hub (it could not)")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,22 @@ from typing import Any
 import click
 
 
-DATASET_HINT = (
-    "put it in the datasets cache (HF_DATASETS_CACHE; e.g. a prepared cais___mmlu folder, see README) or allow "
-    "downloads (unset HF_DATASETS_OFFLINE and HF_HUB_OFFLINE)"
-)
+OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+
+
+def dataset_hint(error: object = "") -> str:
+    """What would let a task's dataset load, for this case: the datasets cache (a prepared MMLU cache only for an
+    MMLU task), and downloads: unsetting only the offline variables that are set, else the network."""
+    said = str(error).lower()
+    where = "put the dataset in the datasets cache (HF_DATASETS_CACHE"
+    where += "; e.g. a prepared cais___mmlu folder, see README)" if "mmlu" in said else ")"
+    offline = [name for name in OFFLINE if os.environ.get(name, "").strip() not in ("", "0")]
+    if offline:
+        return f"{where}, or allow downloads (unset {' and '.join(offline)})"
+    return f"{where}, or let this machine reach the Hugging Face Hub (it could not)"
+
+
+DATASET_HINT = dataset_hint()  # the generic words (kept for callers that know no error yet)
 
 
 def parse_seeds(value: str) -> dict[str, int | None]:
@@ -194,7 +207,7 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     except (ModelLoadError, NonFiniteScore) as e:  # a worker cannot load the model; a NaN/inf log-likelihood
         raise click.ClickException(str(e)) from None
     except ConnectionError as e:  # `datasets` cannot fetch a task's data (offline, or the Hub unreachable)
-        raise click.ClickException(f"a task's dataset cannot be loaded: {e}: {DATASET_HINT}") from None
+        raise click.ClickException(f"a task's dataset cannot be loaded: {e}: {dataset_hint(e)}") from None
     results["config"]["model"] = "mlx-ray"
     tracker.general_config_tracker.model_name_sanitized = results_name(str(model_args["pretrained"]), lm.steering_record)
     return Evaluation(results, lm.executor.info(), tracker, steered_line(lm))
