@@ -39,7 +39,7 @@ def driver(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.
 def one_line_error(proc: subprocess.CompletedProcess, message: str) -> str:
     shown = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
     assert "Traceback" not in proc.stdout + proc.stderr and proc.returncode == 1, shown
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("driver: ")]  # phases
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], shown
     return lines[0]
 

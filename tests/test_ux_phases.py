@@ -69,3 +69,25 @@ def test_lm_eval_still_finds_both_models_by_name():
 
     assert get_model("mlx").__name__ == "MLXLM"
     assert get_model("mlx-ray").__name__ == "MLXRayLM"
+
+
+def test_a_refusal_before_ray_is_one_line_and_nothing_else(llama_path, tasks_dir, tmp_path):
+    """The phase lines start only once the checks before Ray pass: a refusal there is the whole of stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "driver", "run", "--model", str(llama_path), "--include-path", str(tasks_dir), "--tasks",
+         "orchard_mc", "--workers", "1", "--address", "127.0.0.1:1", "--output-path", str(tmp_path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("Error: cannot reach a Ray cluster at 127.0.0.1:1"), proc.stderr
+
+
+def test_a_refusal_after_ray_started_follows_its_phases_and_is_the_one_error(ray_cluster, llama_path, tasks_dir, tmp_path):
+    result = invoke(
+        "run", "--model", str(llama_path), "--include-path", str(tasks_dir), "--tasks", "orchard_mc", "--workers", "5",
+        "--address", ray_cluster.address, "--output-path", str(tmp_path),
+    )  # fmt: skip
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("driver: joining the Ray cluster at") and lines[-1].startswith("Error: --workers 5 needs 5")
+    assert sum(line.startswith("Error:") for line in lines) == 1 and "driver:" not in result.stdout
