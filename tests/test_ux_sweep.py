@@ -45,7 +45,8 @@ def test_a_sweep_tells_its_phases_and_summary_says_why_not_fluent(ray_cluster, l
     result = CliRunner().invoke(main, ["sweep", str(study), "--workers", "1", "--output", str(out)])
     assert result.exit_code == 0, result.output
     phases = [line for line in result.stderr.splitlines() if line.startswith("driver: ")]
-    assert phases[0] == f"driver: using the Ray cluster this process is connected to, at {ray_cluster.address}: 1 worker", phases
+    assert phases[0].startswith("driver: opening ")
+    assert phases[1] == f"driver: using the Ray cluster this process is connected to, at {ray_cluster.address}: 1 worker", phases
     assert any(p.startswith("driver: sweep: 4 configurations + the baseline") for p in phases), phases
     assert f"driver: writing the tables, summary.md and plots under {out}" in phases
     assert "driver:" not in result.stdout and result.stdout.splitlines()[-1].startswith(f"results: {out}")

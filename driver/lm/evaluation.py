@@ -128,6 +128,9 @@ def open_model(args: dict[str, Any]):
     """The `mlx-ray` lm-eval model, workers started; bad settings and cluster problems as one-line errors."""
     from cluster import ClusterError
 
+    from driver.lm.quiet import say
+
+    say(f"opening {args['pretrained']} on this machine (MLX, its tokenizer and its files' fingerprints)")  # seconds
     from driver.lm.mlx_ray import MLXRayLM
 
     try:
