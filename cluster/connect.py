@@ -299,6 +299,38 @@ def resolve(address: str | None) -> tuple[str, str]:
     return target, source
 
 
+def _local_cluster() -> str | None:
+    """The address of the cluster `driver cluster up` started (cluster.local), when it answers."""
+    state = read_state()
+    if not state or "port" not in state:
+        return None
+    try:
+        socket.create_connection((HOST, state["port"]), timeout=0.5).close()
+    except OSError:
+        return None
+    return state.get("address") or f"{HOST}:{state['port']}"
+
+
+def describe(address: str | None) -> str:
+    """What `connect(address)` will do, in words for a phase line: start an embedded Ray or join which cluster
+    (and, with no address given, the `driver cluster up` cluster it does not use)."""
+    ray = sys.modules.get("ray")
+    if address in (None, "auto") and ray is not None and ray.is_initialized():  # connect() reuses it
+        return f"using the Ray cluster this process is connected to, at {ray.get_runtime_context().gcs_address}"
+    target, source = source_of(address)
+    ours = _local_cluster()
+    if target == LOCAL:
+        if source != "default" or not ours:
+            return "starting Ray on this machine (embedded" + (", no --address or RAY_ADDRESS)" if source == "default" else ")")
+        return (f"starting Ray on this machine (embedded; not the local cluster at {ours}: pass --address {ours} "
+                f"or eval \"$(driver cluster status --env)\" to use it)")  # fmt: skip
+    origin = " (from RAY_ADDRESS)" if source == "RAY_ADDRESS" else ""
+    if target == "auto":
+        return f"joining the Ray cluster `ray start` started on this machine{origin}"
+    mine = " (the local cluster `driver cluster up` started)" if ours and _split(ours) == _split(target) else ""
+    return f"joining the Ray cluster at {target}{origin}{mine}"
+
+
 def _init(ray, **kwargs) -> None:
     """ray.init, but a process with its own SIGTERM handling (driver: the same as Ctrl-C) keeps it: Ray would
     install an immediate exit, behind a C++ handler that prints a stack dump."""

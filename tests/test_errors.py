@@ -71,7 +71,9 @@ def assert_one_line_error(proc: subprocess.CompletedProcess | Completed, code: i
     shown = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr + proc.stdout, shown
     assert proc.returncode == code, shown
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    # the phase lines of a refusal after Ray started (`driver: ...`) come before it; tests/test_ux_phases checks
+    # that a refusal before Ray has none
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("driver: ")]
     assert 1 <= len(lines) <= 2 and lines[0].startswith("Error: "), shown
     assert len(lines) == 1 or lines[1].startswith("Try '"), shown
     assert message in lines[0], shown

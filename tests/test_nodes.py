@@ -39,7 +39,7 @@ def driver(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.
 def one_line_error(proc: subprocess.CompletedProcess, message: str) -> str:
     shown = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
     assert "Traceback" not in proc.stdout + proc.stderr and proc.returncode == 1, shown
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("driver: ")]  # phases
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], shown
     return lines[0]
 
@@ -190,7 +190,7 @@ def test_status_and_a_second_up(up: Up):
     proc = driver("cluster", "status", env=_env(up.home))
     assert proc.returncode == 0 and f"address: {up.address}" in proc.stdout and f"{NODES} nodes" in proc.stdout, proc.stderr
     proc = driver("cluster", "status", "--env", env=_env(up.home))
-    assert proc.returncode == 0 and proc.stdout.startswith("export RAY_AUTH_MODE=token ")
+    assert proc.returncode == 0 and proc.stdout.startswith(f"export RAY_ADDRESS={up.address} RAY_AUTH_MODE=token ")
     proc = driver("cluster", "up", "--nodes", "2", env=_env(up.home))
     one_line_error(proc, f"a local cluster is already running at {up.address} ({NODES} nodes)")
 

@@ -20,13 +20,15 @@ def check_fewshot(manager, names: list[str], num_fewshot: int, dataset_hint: str
     """One line naming the first task with fewer examples than asked for (tasks configured for 0 shots keep 0)."""
     import datasets
 
-    datasets.disable_progress_bars()  # a refusal here is one line; the run's own loading shows them again
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a refusal here is one line
     try:
         tasks = manager.load(names)["tasks"]
     except ConnectionError as e:  # `datasets` cannot fetch a task's data (offline, or the Hub unreachable)
         raise Refused(f"a task's dataset cannot be loaded: {e}: {dataset_hint}") from None
     finally:
-        datasets.enable_progress_bars()
+        if shown:  # as they were (driver.lm.quiet turns them off for every command)
+            datasets.enable_progress_bars()
     for name, task in sorted(tasks.items()):
         if task.get_config("num_fewshot") == 0:  # lm-eval never overrides a task written for zero shots
             continue

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import click
 
 from driver.cli import cluster, demo, nodes, run, stage, steer, sweep, vectors
 from driver.cli.errors import OneLineErrors
+from driver.lm.quiet import quiet_option
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="orchard", prog_name="driver", message="%(prog)s (Orchard) %(version)s")
+@partial(quiet_option, top=True)
 def main() -> None:
     """Orchard: lm-eval benchmarks across a Ray cluster of Apple-silicon Macs, one MLX model per Mac.
 
     Each Mac joins the cluster with `ray start --address HEAD:6379 --resources='{"mlx": 1}'`; `driver run`
     places one worker per such node. With no --address (and no RAY_ADDRESS) Ray runs on this machine only.
+
+    Every command says on stderr what it is doing (lines starting `driver:`); stdout holds only its results.
     """
 
 
@@ -25,3 +32,8 @@ main.add_command(nodes.nodes)
 main.add_command(stage.stage)
 main.add_command(cluster.cluster)
 main.add_command(steer.steer)
+
+for command in main.commands.values():  # every command takes --quiet too (`driver run --quiet ...`)
+    for sub in getattr(command, "commands", {}).values():
+        quiet_option(sub)
+    quiet_option(command)

@@ -34,16 +34,21 @@ def _fail(e: Exception) -> click.ClickException:
     return click.ClickException(" ".join(str(e).split()))
 
 
-def _describe(state: dict, alive: int | None = None) -> None:
+def exports(state: dict) -> str:
+    """The `export` line a shell evaluates to use the local cluster: its address (RAY_ADDRESS, so every command
+    without --address joins it) and its token."""
     from cluster.local import driver_env
 
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in driver_env(state).items())
+    return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in {"RAY_ADDRESS": state["address"], **driver_env(state)}.items())
+
+
+def _describe(state: dict, alive: int | None = None) -> None:
     count = state["nodes"] if alive is None else alive
     click.echo(f"Local Ray cluster: {count} node{'s' * (count != 1)} on 127.0.0.1, one `mlx` unit each, token authentication on.")
     click.echo(f"address: {state['address']}")
     click.echo(f"token:   {state['token_file']} (mode 0600; never printed)")
     click.echo("Use it from this shell:")
-    click.echo(f"  export {exports}")
+    click.echo(f"  {exports(state)}")
     click.echo(f"  driver nodes --address {state['address']}")
     click.echo("Stop it: driver cluster down")
 
@@ -75,7 +80,7 @@ def down() -> None:
 
 
 @cluster.command()
-@click.option("--env", "env_only", is_flag=True, help="Print only the `export ...` line, for eval \"$(driver cluster status --env)\".")
+@click.option("--env", "env_only", is_flag=True, help="Print only the `export ...` line (RAY_ADDRESS and the token), for eval \"$(driver cluster status --env)\".")
 def status(env_only: bool) -> None:
     """Whether the local cluster runs, its address and how to use it."""
     from cluster import ClusterError, local
@@ -85,7 +90,7 @@ def status(env_only: bool) -> None:
         stale = " (its record is stale: `driver cluster down` clears it)" if state else ""
         raise click.ClickException(f"no local cluster is running{stale}: start one with `driver cluster up --nodes 3`")
     if env_only:
-        click.echo("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in local.driver_env(state).items()))
+        click.echo(exports(state))
         return
     try:
         alive = len(local.alive_nodes(state))

@@ -48,12 +48,21 @@ def demo(ctx: click.Context, workers: int, folder: str, group_size: str, split: 
     root = Path(folder)
     writable_folder(root, "--dir")
     tasks = write_story_tasks(root / "tasks")
+    model = shown(MODEL)  # as a user would type it here: results under the folder `driver run` names the same
     done = ctx.invoke(
-        run, model=str(MODEL), tasks=",".join(TASKS), workers=str(workers), address="local", include_path=str(tasks),
+        run, model=model, tasks=",".join(TASKS), workers=str(workers), address="local", include_path=str(tasks),
         output_path=str(root / "out"), log_samples=True, batch_size="8", threads=1, steer=None, group_size=group_size,
         split=split,
     )  # fmt: skip
     click.echo("\nthe model's own words (tinystories_gen, greedy):")
     for sample in done.results["samples"]["tinystories_gen"][:3]:
         click.echo(f"  ...{sample['doc']['prompt'][-48:]} → {sample['resps'][0][0].strip()}")
-    click.echo(f"\ntasks: {tasks} (try: driver run --model {MODEL} --include-path {tasks} --tasks tinystories_mc)")
+    click.echo(f"\ntasks: {shown(tasks)} (try: driver run --model {model} --include-path {shown(tasks)} --tasks tinystories_mc)")
+
+
+def shown(path: Path) -> str:
+    """A path as a user here would type it: relative when it lies below this folder, else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path.resolve())

@@ -7,6 +7,7 @@ import click
 from driver.checks import settings
 from driver.checks.cluster import check_address, check_workers
 from driver.cli.errors import usage_errors
+from driver.lm.quiet import say
 
 
 @click.command()
@@ -30,6 +31,9 @@ def nodes(address: str | None, as_json: bool, workers: str | None, group_size: s
     from cluster.facts import mismatch, node_line, node_rows, slow_blas
 
     check_address(address)  # syntax (exit 2), reachable, token authentication: no Ray yet
+    from cluster.connect import describe
+
+    say(f"{describe(address)}, to list its nodes")  # an embedded Ray lists this machine only: say so
     try:
         connection = connect(address)  # imports Ray (in the mode the address needs)
     except ClusterError as e:

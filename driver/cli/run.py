@@ -23,6 +23,7 @@ from driver.checks.model import (check_generation_room, check_heads_split, check
 from driver.checks.tasks import check_tasks, task_manager
 from driver.cli.errors import resumable, usage_errors
 from driver.lm.evaluation import DATASET_HINT, Plan, evaluate, open_model, parse_seeds, save
+from driver.lm.quiet import phase
 
 # model_args keys that have a flag of their own (a flag and a model_arg must never silently disagree)
 RUN_FLAGS = {
@@ -31,13 +32,15 @@ RUN_FLAGS = {
     "stage": "--stage", "group_size": "--group-size", "split": "--split",
 }  # fmt: skip
 GROUP_HELP = "Nodes per worker group: each group holds one copy of the model split across its K nodes; auto: the fewest that hold it."
+WORKERS_HELP = ("Workers (each a group of --group-size `mlx` nodes): a count, or all: one per `mlx` node of the cluster "
+                "(groups: as many as its nodes hold); on the embedded Ray (no --address) all is 1.")
 SPLIT_HELP = "How a group splits the model: pipeline (layer ranges per node), tensor (mlx-lm's shard: Thunderbolt/RDMA), auto (pipeline)."
 
 
 @click.command()
 @click.option("--model", "model", required=True, help="Local model folder or Hugging Face repo id (mlx-lm format).")
 @click.option("--tasks", required=True, help="Comma-separated lm-eval task or group names, e.g. mmlu.")
-@click.option("--workers", default="all", show_default=True, help="Number of workers (groups of --group-size `mlx` nodes), or all.")
+@click.option("--workers", default="all", show_default=True, help=WORKERS_HELP)
 @click.option(
     "--address",
     default=None,
@@ -55,10 +58,11 @@ SPLIT_HELP = "How a group splits the model: pipeline (layer ranges per node), te
 @click.option(
     "--output-path",
     "--output_path",
+    "--output",
     "output_path",
     default="orchard-out",
     show_default=True,
-    help="Folder for results JSON, samples and the run summary.",
+    help="Folder for results JSON, samples and the run summary (--output: the same, as `driver sweep` spells it).",
 )
 @click.option("--log-samples", "--log_samples", "log_samples", is_flag=True, help="Also write every sample's inputs and outputs.")
 @click.option("--include-path", "--include_path", "include_path", default=None, help="Extra folder of task YAMLs.")
@@ -148,7 +152,8 @@ def run(
         lm = open_model(args)
         tell_chosen(size, split, grouping)
         try:
-            plan.manager = indexing.result()
+            with phase("indexing lm-eval's tasks", after=1.0):  # said only when lm-eval is still at it
+                plan.manager = indexing.result()
             done = evaluate(lm, args, plan, output_path)
         finally:
             lm.executor.close()

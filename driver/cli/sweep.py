@@ -15,16 +15,18 @@ from driver.checks.files import check_cache, writable_folder
 from driver.checks.groups import chosen_lines, for_command
 from driver.checks.model import check_heads_split
 from driver.cli.errors import resumable, usage_errors
-from driver.cli.run import GROUP_HELP, SPLIT_HELP
+from driver.cli.run import GROUP_HELP, SPLIT_HELP, WORKERS_HELP
 from driver.lm.evaluation import on_workers
+from driver.lm.quiet import phase, say
 
 
 @click.command("sweep")
 @click.argument("sweep_file", type=click.Path(dir_okay=False))
-@click.option("--workers", default="all", show_default=True, help="Number of workers (one per `mlx` node), or all.")
+@click.option("--workers", default="all", show_default=True, help=WORKERS_HELP)
 @click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
 @click.option(
-    "--output", default=None, type=click.Path(file_okay=False), help="Output folder. Default: orchard-out/<sweep file name>."
+    "--output", "--output-path", "--output_path", "output", default=None, type=click.Path(file_okay=False),
+    help="Output folder (--output-path: the same, as `driver run` spells it). Default: orchard-out/<sweep file name>."
 )
 @click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: OUTPUT/cache.")
 @click.option("--threads", type=settings.WHOLE, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
@@ -67,9 +69,10 @@ def sweep_command(
         with resumable(cache or folder / "cache"):
             outcome = run_sweep(
                 plan, workers=workers, address=address, output=folder, cache=cache, threads=threads, stage=stage,
-                grouping=grouping, notes=notes, echo=click.echo,
+                grouping=grouping, notes=notes, echo=say,
             )
-            written = report.write_outputs(outcome, folder)
+            with phase(f"writing the tables, summary.md and plots under {folder}"):
+                written = report.write_outputs(outcome, folder)
     except ValueError as e:  # a request the model refuses (e.g. a prompt longer than the context window)
         raise click.ClickException(" ".join(str(e).split())) from None
     finally:

@@ -14,8 +14,9 @@ from driver.checks.files import check_cache, writable_file
 from driver.checks.groups import for_command, tell_chosen
 from driver.checks.model import check_model, check_site, check_tokenizer, model_config
 from driver.cli.errors import one_line, usage_errors
-from driver.cli.run import GROUP_HELP, SPLIT_HELP
+from driver.cli.run import GROUP_HELP, SPLIT_HELP, WORKERS_HELP
 from driver.lm.evaluation import lost_workers_line, on_workers, open_model
+from driver.lm.quiet import say
 from worker.spec import HEAD_SITES, SITES, head_shape, missing_sites
 
 VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads",
@@ -33,7 +34,7 @@ VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--
 @click.option("--method", type=click.Choice(["mean-diff", "pca-diff", "pca-center"]), default="mean-diff", show_default=True)
 @click.option("--position", default="last", show_default=True, help="Token whose activations are read: last, or an index (-2: second to last).")
 @click.option("--out", required=True, help="The .safetensors file to write.")
-@click.option("--workers", default="all", show_default=True, help="Number of workers (one per `mlx` node), or all.")
+@click.option("--workers", default="all", show_default=True, help=WORKERS_HELP)
 @click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
 @click.option("--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16.")
 @click.option("--threads", type=settings.WHOLE, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
@@ -104,6 +105,7 @@ def vectors(
     tell_chosen(size, split, grouping)
     try:
         capture = lambda requests, points: lm.executor.run(lm.job("capture", points=tuple(points)), requests)  # noqa: E731
+        say(f"capturing {site} at {len(resolved)} layer{'s' * (len(resolved) != 1)} for {len(read)} pairs ({2 * len(read)} texts)")
         found = vec.extract(capture, encode, read, resolved, site, method, at, chosen_heads, head_dim)
         info = lm.executor.info()
     except ValueError as e:

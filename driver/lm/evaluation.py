@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,22 @@ from typing import Any
 import click
 
 
-DATASET_HINT = (
-    "put it in the datasets cache (HF_DATASETS_CACHE; e.g. a prepared cais___mmlu folder, see README) or allow "
-    "downloads (unset HF_DATASETS_OFFLINE and HF_HUB_OFFLINE)"
-)
+OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+
+
+def dataset_hint(error: object = "") -> str:
+    """What would let a task's dataset load, for this case: the datasets cache (a prepared MMLU cache only for an
+    MMLU task), and downloads: unsetting only the offline variables that are set, else the network."""
+    said = str(error).lower()
+    where = "put the dataset in the datasets cache (HF_DATASETS_CACHE"
+    where += "; e.g. a prepared cais___mmlu folder, see README)" if "mmlu" in said else ")"
+    offline = [name for name in OFFLINE if os.environ.get(name, "").strip() not in ("", "0")]
+    if offline:
+        return f"{where}, or allow downloads (unset {' and '.join(offline)})"
+    return f"{where}, or let this machine reach the Hugging Face Hub (it could not)"
+
+
+DATASET_HINT = dataset_hint()  # the generic words (kept for callers that know no error yet)
 
 
 def parse_seeds(value: str) -> dict[str, int | None]:
@@ -34,10 +47,23 @@ def parse_seeds(value: str) -> dict[str, int | None]:
     return dict(zip(("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seeds))
 
 
+def per_worker(info: dict) -> dict[str, dict]:
+    """Every worker (group, by name) with the requests it computed and its rate, 0 included; one that computed
+    none says why (lost, or idle: the others took every chunk), one lost after computing some says lost."""
+    computed, rates, lost = info.get("requests_computed") or {}, info.get("requests_per_s") or {}, set(info.get("lost", []))
+    names = list(info.get("names") or []) or sorted(computed)
+    out = {}
+    for name in names + sorted(set(computed) - set(names)):  # a worker that left the pool still counts what it did
+        row = {"requests": computed.get(name, 0), "requests_per_s": rates.get(name, 0.0)}
+        if name in lost:
+            row["lost"] = True
+        if not row["requests"]:
+            row["why_none"] = "lost before it finished a chunk" if name in lost else "idle: the other workers took every chunk"
+        out[name] = row
+    return out
+
+
 def _summary(info: dict, seconds: float) -> dict:
-    per_worker = {
-        name: {"requests": n, "requests_per_s": info["requests_per_s"][name]} for name, n in sorted(info["requests_computed"].items())
-    }
     return {
         "address": info["address"],
         "workers": info["workers"],
@@ -45,7 +71,7 @@ def _summary(info: dict, seconds: float) -> dict:
         "nodes": info["nodes"],
         "requests": sum(info["requests_computed"].values()) + info["requests_cached"],
         "requests_cached": info["requests_cached"],
-        "per_worker": per_worker,
+        "per_worker": per_worker(info),
         "scoring_s": info["seconds"],
         "wall_s": round(seconds, 3),
         "cache": info["cache"],
@@ -72,7 +98,8 @@ def _print_summary(summary: dict) -> None:
         f"in {summary['wall_s']:.1f} s"
     )
     for name, row in summary["per_worker"].items():
-        click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s")
+        why = f"  ({row['why_none']})" if "why_none" in row else "  (lost)" if row.get("lost") else ""
+        click.echo(f"  {name:<24} {row['requests']:>8} requests {row['requests_per_s']:>10.1f} req/s{why}")
     if any(s["peak_bytes"] for s in summary["prefix_store"]):  # only when generation stored prefixes: else noise
         click.echo(prefix_store_line(summary["prefix_store"]))
 
@@ -104,6 +131,9 @@ def open_model(args: dict[str, Any]):
     """The `mlx-ray` lm-eval model, workers started; bad settings and cluster problems as one-line errors."""
     from cluster import ClusterError
 
+    from driver.lm.quiet import say
+
+    say(f"opening {args['pretrained']} on this machine (MLX, its tokenizer and its files' fingerprints)")  # seconds
     from driver.lm.mlx_ray import MLXRayLM
 
     try:
@@ -119,6 +149,34 @@ class Evaluation:
     results: dict  # what simple_evaluate returned
     info: dict  # the executor's facts: workers, requests per worker, seconds
     tracker: Any  # lm-eval's EvaluationTracker, which knows where and how to write the results
+    steered: str | None = None  # the line naming the run's steering, printed above its table
+
+
+def results_name(model: str, steering: dict | None = None) -> str:
+    """The results folder's name under the output path, one rule for every command: a local model folder by its
+    path from here when it lies below this folder (else its own name), a Hub id as lm-eval writes it (`/` -> `__`);
+    a steered run's carries `+steer-` and its steering key, so it never shares the unsteered run's folder."""
+    path = Path(model).expanduser()
+    if path.exists():
+        try:
+            below = path.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            below = Path()
+        model = str(below) if below.parts else path.resolve().name  # not below here, or here itself: its own name
+    name = "__".join(part for part in model.replace("\\", "/").split("/") if part not in ("", "."))
+    return name + (f"+steer-{steering['key'][:12]}" if steering else "")
+
+
+def steered_line(lm) -> str | None:
+    """'steered by SPEC (key ...): L3 resid_post add α=4, ...' for a steered model; None for an unsteered one."""
+    record = lm.steering_record
+    if not record:
+        return None
+    parts = [f"L{i.layer} {i.site}{'' if i.head is None else f'.{i.head}'} {i.op}"
+             + ("" if i.op == "ablate" else f" α={i.alpha:g}") + ("" if i.positions == "all" else f" ({i.positions})")
+             for i in lm.steering.interventions]  # fmt: skip
+    source = record.get("source") or "an inline spec"
+    return f"steered by {source} (key {record['key'][:12]}): {', '.join(parts)}"
 
 
 def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Evaluation:
@@ -157,9 +215,10 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     except (ModelLoadError, NonFiniteScore) as e:  # a worker cannot load the model; a NaN/inf log-likelihood
         raise click.ClickException(str(e)) from None
     except ConnectionError as e:  # `datasets` cannot fetch a task's data (offline, or the Hub unreachable)
-        raise click.ClickException(f"a task's dataset cannot be loaded: {e}: {DATASET_HINT}") from None
+        raise click.ClickException(f"a task's dataset cannot be loaded: {e}: {dataset_hint(e)}") from None
     results["config"]["model"] = "mlx-ray"
-    return Evaluation(results, lm.executor.info(), tracker)
+    tracker.general_config_tracker.model_name_sanitized = results_name(str(model_args["pretrained"]), lm.steering_record)
+    return Evaluation(results, lm.executor.info(), tracker, steered_line(lm))
 
 
 def lost_workers_line(message: str, lm) -> str:
@@ -188,6 +247,8 @@ def save(done: Evaluation, output_path: str, seconds: float) -> Path:
     summary = _summary(done.info, seconds)
     folder = Path(output_path) / tracker.general_config_tracker.model_name_sanitized
     (folder / f"summary_{tracker.date_id}.json").write_text(json.dumps(summary, indent=2, default=handle_non_serializable))
+    if done.steered:  # the table below is the steered model's: say so above it
+        click.echo(done.steered)
     click.echo(make_table(results))
     if "groups" in results:
         click.echo(make_table(results, "groups"))

@@ -13,6 +13,7 @@ import click
 from lm_eval.api.registry import register_model
 
 from cluster import WorkerActor
+from cluster.connect import describe
 from cluster.executor import RayExecutor, Workers
 from worker.load import is_local
 from worker.spec import Batching, Grouping, ModelSpec
@@ -23,7 +24,45 @@ from driver.lm.cache import Cache
 from driver.lm.mlx import OrchardLM
 from driver.lm.model_setup import model_config, tokenizer_folder
 from driver.lm.progress import Progress
+from driver.lm.quiet import phase, say
 from driver.steering.spec import warn_once
+
+
+def workers_text(n: int | str, size: int) -> str:
+    """'4 workers', '2 groups of 2' or 'a worker per `mlx` node' (all) for the phase lines."""
+    if n == "all":
+        return "a worker per `mlx` node" if size == 1 else f"as many groups of {size} as the `mlx` nodes hold"
+    n = int(n)
+    return f"{n} worker{'s' * (n != 1)}" if size == 1 else f"{n} group{'s' * (n != 1)} of {size}"
+
+
+class ToldWorkers(Workers):
+    """cluster.executor.Workers that say on stderr what they are doing: Ray starting (or which cluster is
+    joined), the model loading on how many workers, and the wait for it when lm-eval is ready first."""
+
+    def start(self) -> None:
+        asked = workers_text(self.requested, self.grouping.size)
+        with phase(f"{describe(self.options['address'])}: {asked}"):
+            super().start()
+        formed = workers_text(len(self.pool.workers), self.grouping.size)
+        say(f"loading {self.spec.model} on {formed} (lm-eval builds its requests meanwhile)")
+
+    def ready(self) -> list[dict]:
+        if self.held.connection is None:
+            self.start()
+        if self.facts is not None:
+            return self.facts
+        with phase(f"waiting for the workers to load {self.spec.model}", after=1.0):
+            return super().ready()
+
+
+class ToldExecutor(RayExecutor):
+    """cluster.executor.RayExecutor whose facts name every worker (group), so a summary lists the idle and the
+    lost ones too, not only those that computed something."""
+
+    def info(self) -> dict:
+        names, alive = self.workers.names, self.pool.alive
+        return super().info() | {"names": list(names), "lost": [n for i, n in enumerate(names) if i not in alive]}
 
 
 def ray_executor(
@@ -33,10 +72,11 @@ def ray_executor(
     """A cluster.executor.RayExecutor with this head's result cache (`cache_dir`, a folder, or none), progress bar
     and steering notes; `grouping`: the worker groups (resolved: no auto); `options` are cluster.executor.Workers'
     (workers, address, threads, files, ...)."""
-    workers = Workers(spec, batching, grouping=grouping, **options)  # the worker count checked before the cache is opened
+    workers = ToldWorkers(spec, batching, grouping=grouping, **options)  # the worker count checked before the cache is opened
     cache = Cache(cache_dir) if cache_dir else None
-    return RayExecutor(
-        workers, cache=cache, progress=Progress(), notes=warn_once, model_identity=model_identity, max_length=max_length
+    return ToldExecutor(
+        workers, cache=cache, progress=Progress(unit="group" if grouping.size > 1 else "worker"), notes=warn_once,
+        model_identity=model_identity, max_length=max_length,
     )
 
 

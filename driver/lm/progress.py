@@ -14,8 +14,9 @@ from tqdm import tqdm
 
 
 class Progress:
-    def __init__(self, names: list[str] | None = None) -> None:
+    def __init__(self, names: list[str] | None = None, unit: str = "worker") -> None:
         self.names = names or []  # the workers; the bar shows once they are known (hold the model)
+        self.unit = unit  # what a worker is: "worker", or "group" (K nodes holding one model)
         self.bar: tqdm | None = None
         self.total = 0  # requests to compute, this bar
         self.cached = 0
@@ -25,7 +26,10 @@ class Progress:
         self.what = ""
 
     def expect(self, n: int, cached: int, what: str) -> None:
-        """`n` more requests are on their way, `cached` of them already answered from the cache."""
+        """`n` more requests are on their way, `cached` of them already answered from the cache. A grid (a sweep's
+        pass) counts on a bar of its own once the work before it is done; lm-eval's request types share one."""
+        if self.bar is not None and what != self.what and "grid" in what and sum(self.done.values()) >= self.total:
+            self.close()
         self.total += n - cached
         self.cached += cached
         self.what = what
@@ -55,7 +59,7 @@ class Progress:
         rates = [f"{name.split('@')[0]} {self.done[name] / seconds:.1f}/s {self.done[name] / total:.0%}" for name in self.names]
         parts = [self.note] if self.note else []
         parts += [f"{self.cached} cached"] if self.cached else []
-        self.bar.set_description_str(f"{self.what} on {len(self.names)} worker{'s' * (len(self.names) != 1)}", refresh=False)
+        self.bar.set_description_str(f"{self.what} on {len(self.names)} {self.unit}{'s' * (len(self.names) != 1)}", refresh=False)
         self.bar.set_postfix_str(" | ".join(parts + rates), refresh=False)
 
     def close(self) -> None:

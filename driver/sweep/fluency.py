@@ -81,14 +81,35 @@ def mark(rows_: list[dict], generations: list[dict]) -> None:
 
 
 def _fluent(values: dict, generations: list[dict], config: str, name: str) -> bool:
+    return not reasons(values, generations, config, name)
+
+
+def why_not(rows_: Sequence[dict], generations: Sequence[dict]) -> dict[str, list[str]]:
+    """{configuration: why it is not fluent, one reason per failed measure and prompt set} for summary.md; a
+    fluent configuration is absent."""
+    values = {(r["config"], r["task"], r["metric"]): r["value"] for r in rows_ if r["metric"] in METRICS}
+    out: dict[str, list[str]] = {}
+    for config, name in sorted({(g["config"], g["prompt_set"]) for g in generations}):
+        for why in reasons(values, generations, config, name):
+            out.setdefault(config, []).append(f"{name}: {why}")
+    return out
+
+
+def reasons(values: dict, generations: Sequence[dict], config: str, name: str) -> list[str]:
+    """Why `config` is not fluent on prompt set `name`: each measure past its margin, with its value, the threshold
+    and the baseline's value it is made from; [] when fluent."""
     if config == BASELINE:
-        return True  # the reference
+        return []  # the reference
     logprob, base_logprob = values.get((config, name, "fluency_logprob")), values.get((BASELINE, name, "fluency_logprob"))
     rep, base_rep = values.get((config, name, "repetition_rate")), values.get((BASELINE, name, "repetition_rate"))
     if logprob is None or rep is None:
-        return False  # nothing to read, or the text scores non-finite
+        return ["no generation to judge, or one scores non-finite under the unsteered model"]
+    out = []
     if base_logprob is not None and logprob < base_logprob - LOGPROB_MARGIN:
-        return False
+        out.append(f"fluency_logprob {logprob:.2f} < {base_logprob - LOGPROB_MARGIN:.2f} (the baseline's {base_logprob:.2f} − {LOGPROB_MARGIN:g})")
     if base_rep is not None and rep > base_rep + REPETITION_MARGIN:
-        return False
-    return empty_share(generations, config, name) <= empty_share(generations, BASELINE, name) + EMPTY_MARGIN
+        out.append(f"repetition_rate {rep:.2f} > {base_rep + REPETITION_MARGIN:.2f} (the baseline's {base_rep:.2f} + {REPETITION_MARGIN:g})")
+    share, base_share = empty_share(generations, config, name), empty_share(generations, BASELINE, name)
+    if share > base_share + EMPTY_MARGIN:
+        out.append(f"empty generations {share:.0%} > {base_share + EMPTY_MARGIN:.0%} (the baseline's {base_share:.0%} + {EMPTY_MARGIN:.0%})")
+    return out

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from driver.lm.evaluation import per_worker
 from driver.sweep import outdir
 from driver.sweep.plots import HEADS, by_metric, facets, heatmap, lines
 from driver.sweep.rows import failures
@@ -109,7 +110,7 @@ def run_facts(info: dict, seconds: float) -> dict:
         "scoring_s": info.get("seconds"),
         "requests_computed": sum(computed.values()),
         "requests_cached": info.get("requests_cached", 0),
-        "per_worker": {n: {"requests": k, "requests_per_s": (info.get("requests_per_s") or {}).get(n)} for n, k in sorted(computed.items())},
+        "per_worker": per_worker(info),  # every worker, idle ones included
         "cache": info.get("cache"),
         "prefix_store": info.get("prefix_store", []),  # per worker: hits, tokens reused, peak bytes vs budget, evictions
         **({"groups": info["groups"]} if "groups" in info else {}),  # worker groups: each rank's node, layers, peak memory

@@ -77,9 +77,7 @@ def _fluency(rows: Sequence[dict], generations: Sequence[dict]) -> list[str]:
         return []
     labels = _labels(rows)
     bad = sorted({r["config"] for r in rows if r.get("fluent") is False}, key=list(labels).index)
-    empty = {g["config"]: 0 for g in generations}
-    for g in generations:
-        empty[g["config"]] += g["empty"]
+    why = fluency.why_not(rows, generations)
     out = ["", "## Fluency", "",
            f"The unsteered model's log-likelihood per token of each generated text (`fluency_logprob`) and the share of "
            f"its word {fluency.NGRAM}-grams that repeat (`repetition_rate`). A configuration is **not fluent** when, on "
@@ -89,8 +87,8 @@ def _fluency(rows: Sequence[dict], generations: Sequence[dict]) -> list[str]:
            "of \"best\", hatched in the heatmaps and crossed out in the line plots.", ""]  # fmt: skip
     if not bad:
         return out + ["Every configuration's generations stay fluent."]
-    out += [f"{len(bad)} of {len(labels) - 1} configurations are not fluent:", "", "| configuration | empty generations |", "|---|---|"]
-    return out + [f"| {labels[c]} | {empty.get(c, 0)} |" for c in bad]
+    out += [f"{len(bad)} of {len(labels) - 1} configurations are not fluent:", "", "| configuration | why (prompt set: measure, value, threshold) |", "|---|---|"]
+    return out + [f"| {labels[c]} | {'; '.join(why.get(c, ['?']))} |" for c in bad]
 
 
 _ALT = {"heatmap": "heatmap of {}", "lines": "{} against alpha", "heads": "layers × heads heatmap of {}"}
@@ -158,5 +156,6 @@ def summary_md(outcome, plots: dict[tuple[str, str], list[str]], facts: dict) ->
                f"(cache: `{facts['cache']}`)",
                "", "| worker | requests | requests/s |", "|---|---|---|"]  # fmt: skip
     for name, w in facts["per_worker"].items():
-        lines_.append(f"| {name} | {w['requests']} | {w['requests_per_s'] if w['requests_per_s'] is not None else '–'} |")
+        why = f" ({w['why_none']})" if "why_none" in w else " (lost)" if w.get("lost") else ""
+        lines_.append(f"| {name} | {w['requests']}{why} | {w['requests_per_s'] if w['requests_per_s'] is not None else '–'} |")
     return "\n".join(lines_) + "\n"
