@@ -6,9 +6,9 @@
 
 from typing import Any
 
-from .plan import SPLITS, check, has_shard, layer_ranges, peak_memory_gb, smallest_size
+from .plan import SPLITS, answering_rank, check, has_shard, layer_ranges, peak_memory_gb, smallest_size
 
-__all__ = ["SPLITS", "RingError", "check", "free_address", "has_shard", "join", "layer_ranges", "peak_memory_gb", "smallest_size"]
+__all__ = ["SPLITS", "RingError", "answering_rank", "check", "free_address", "has_shard", "join", "layer_ranges", "peak_memory_gb", "smallest_size"]
 _RING = ("RingError", "free_address", "join")
 
 
