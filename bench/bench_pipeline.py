@@ -8,7 +8,8 @@ preloaded when present, ring over 127.0.0.1, no Ray: it measures what K Macs wou
 like documents, each a context and four one-token choices (lm-eval's 4 requests, one row). Timed: the kernel
 only (worker.score), after loading and a warm-up job, from a barrier to the last rank's results. The group runs
 both kernels on one ring, alternating; the anchor and the group alternate too, and each keeps its best of
---repeat. Every run must agree with the anchor within 1e-5. Busy: the share of the job each rank spent computing
+--repeat. "overlap": each send on a stream of its own while the next micro-batch computes
+(worker.split.stages.OVERLAP). Every run must agree with the anchor within 1e-5. Busy: the share of the job each rank spent computing
 (worker.split.stages.CLOCK), the rest waiting in transfers.
 """
 
@@ -91,6 +92,18 @@ def _timed(lm, kernel, reqs, batching, group) -> dict:
     return {"seconds": time.perf_counter() - start, "results": results, "busy": CLOCK.busy, "wait": CLOCK.wait}
 
 
+def _overlapped(lm, reqs, batching):
+    """The pipelined kernel with each send on a stream of its own (worker.split.stages.OVERLAP)."""
+    from worker.score import pipelined_loglikelihood
+    from worker.split import stages
+
+    stages.OVERLAP = True
+    try:
+        return pipelined_loglikelihood(lm, reqs, batching)
+    finally:
+        stages.OVERLAP = False
+
+
 def rank_main(task_path: str, rank: int) -> None:
     """A rank (or the anchor, size 1): load, warm up, then run each kernel named in the task, timed."""
     os.sched_setaffinity(0, {rank % os.cpu_count()})
@@ -104,7 +117,7 @@ def rank_main(task_path: str, rank: int) -> None:
     size = task["size"]
     group = join(task["hostfile"], rank) if size > 1 else None
     lm = load(ModelSpec(model=task["model"], max_length=512), group=group, grouping=Grouping(size=size, split="pipeline"))
-    kernels = {"lockstep": loglikelihood, "pipelined": pipelined_loglikelihood} if size > 1 else {"unsplit": loglikelihood}
+    kernels = {"lockstep": loglikelihood, "pipelined": pipelined_loglikelihood, "overlapped": _overlapped} if size > 1 else {"unsplit": loglikelihood}
     batching = Batching(batch_size=task["batch"])
     for kernel in kernels.values():  # warm-up: first-call costs out of the timing
         kernel(lm, task["reqs"][:32], batching)
@@ -123,13 +136,15 @@ def _job_row(reports: list[dict], name: str) -> dict:
 def measure(args, model: Path, reqs: list, folder: Path) -> tuple[dict, dict]:
     """Interleaved runs: {config: [seconds...]}, and the best run's row per config."""
     task = {"model": str(model), "reqs": reqs, "batch": args.batch}
-    runs: dict = {"1 unsplit worker (anchor)": [], "1 group of 2, lockstep (before)": [], "1 group of 2, pipelined": []}
+    runs: dict = {"1 unsplit worker (anchor)": [], "1 group of 2, lockstep (before)": [], "1 group of 2, pipelined": [],
+                  "1 group of 2, pipelined + overlap": []}  # fmt: skip
     best: dict = {}
     for _ in range(args.repeat):
         anchor = launch(task, 1, folder)
         group = launch(task, 2, folder)
         rows = {"1 unsplit worker (anchor)": _job_row(anchor, "unsplit"), "1 group of 2, lockstep (before)": _job_row(group, "lockstep"),
-                "1 group of 2, pipelined": _job_row(group, "pipelined")}  # fmt: skip
+                "1 group of 2, pipelined": _job_row(group, "pipelined"),
+                "1 group of 2, pipelined + overlap": _job_row(group, "overlapped")}  # fmt: skip
         for name, row in rows.items():
             runs[name].append(row["seconds"])
             if name not in best or row["seconds"] < best[name]["seconds"]:
@@ -145,12 +160,12 @@ def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> N
           f"of {args.tokens} tokens; batch {args.batch} ({-(-args.docs // args.batch)} micro-batches); one core and one BLAS thread "
           f"per process ({anchor['blas']}); load average {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
     print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5)")
-    print(f"| {'run':<32} | best s | all runs (s) | vs anchor | busy per rank |")
-    print(f"|{'-' * 34}|-------:|-------------:|----------:|---------------|")
+    print(f"| {'run':<34} | best s | all runs (s) | vs anchor | busy per rank |")
+    print(f"|{'-' * 36}|-------:|-------------:|----------:|---------------|")
     for name, row in best.items():
-        busy = " ".join(f"{b:.2f}" for b in row["busy"]) if name != "1 unsplit worker (anchor)" else "-"
+        busy = " ".join(f"{b:.2f}" for b in row["busy"]) if "pipelined" in name else "-"
         all_runs = " ".join(f"{s:.2f}" for s in runs[name])
-        print(f"| {name:<32} | {row['seconds']:6.2f} | {all_runs:>12} | {anchor['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
+        print(f"| {name:<34} | {row['seconds']:6.2f} | {all_runs:>12} | {anchor['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
 
 
 def main() -> None:

@@ -129,3 +129,14 @@ def test_every_rank_computed_and_only_the_last_read_numbers(ring):
     assert all(r["clock"].micros == 0 for r in reports[:-1])
     assert reports[-1]["clock"].micros > 0
     assert all(r["clock"].wait > 0 for r in reports[1:])  # every rank past 0 waited on its receives
+
+
+def test_sends_overlapped_with_the_next_compute_keep_the_numbers(models, monkeypatch):
+    """worker.split.stages.OVERLAP (each send on a stream of its own, one in flight): same numbers, K = 3."""
+    monkeypatch.setenv("ORCHARD_PIPELINE_OVERLAP", "1")
+    pairs, batching = _requests(), Batching(batch_size=3)
+    want = list(run(load(str(models["stories"])), Job(kind="loglikelihood"), pairs, batching))
+    reports = run_split({"stories": models["stories"]}, Grouping(size=3, split="pipeline"),
+                        [("stories", Job(kind="loglikelihood"), pairs, batching)], timeout=300)  # fmt: skip
+    assert np.abs(_scores(reports[-1]["results"][0]) - _scores(want)).max() <= 1e-5
+    assert reports[0]["clock"].wait > 0  # rank 0 waited on its sends in flight

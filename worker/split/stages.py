@@ -5,6 +5,10 @@ receive needs no header) through `rank_steps`: receive m from the rank before, r
 send m on; the last rank alone runs the head and collects the numbers. A rank thus computes micro-batch m + 1
 while the rank after it computes m. No collective, and no B x T x V logits over a link.
 
+With OVERLAP (ORCHARD_PIPELINE_OVERLAP=1) a send runs on a stream of its own (mx.async_eval) while this rank
+computes the next micro-batch, one send in flight; off by default: the ring busy-polls its socket while a send
+waits, which on a rank given one core takes that core from the compute (bench/README.md, bench_pipeline).
+
 A transfer is evaluated on its own (its time counted as waiting on `CLOCK`), so a dead peer fails it at once
 ("[ring] ..."), and a hung one is caught by the group deadline as before (cluster.groups.pool). Unsplit and
 tensor-split models never come here (`pipelined`).
@@ -12,6 +16,7 @@ tensor-split models never come here (`pipelined`).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +53,14 @@ class Clock:
 
 
 CLOCK = Clock()
+OVERLAP = os.environ.get("ORCHARD_PIPELINE_OVERLAP") == "1"
+_COMM: list = []  # the stream sends run on under OVERLAP, made on first use
+
+
+def _comm_stream() -> Any:
+    if not _COMM:
+        _COMM.append(mx.new_stream(mx.cpu))
+    return _COMM[0]
 
 
 def pipelined(lm: Any) -> bool:
@@ -77,6 +90,7 @@ class _Rank:
     built: int = -1
     hidden: Any = None
     kept: list = field(default_factory=list)
+    sending: Any = None  # the send in flight (OVERLAP)
 
     def build(self, m: int) -> None:
         """Micro-batch m's lazy graph, once, at its first step (a receive is built from the first block's input)."""
@@ -92,6 +106,10 @@ class _Rank:
             _timed("wait", [pipe.received])
         elif step.op == "forward":
             _timed("busy", [pipe.out if pipe.out is not None else self.hidden, *self.kept])
+        elif step.op == "send" and OVERLAP:
+            self.drain()
+            self.sending = mx.distributed.send(pipe.out, step.peer, group=self.group, stream=_comm_stream())
+            mx.async_eval(self.sending)
         elif step.op == "send":
             _timed("wait", [mx.distributed.send(pipe.out, step.peer, group=self.group)])
         elif micro.head is not None:  # "head", the last rank: the numbers, read back here
@@ -99,6 +117,13 @@ class _Rank:
             _timed("busy", [out])
             self.collect(out)
             CLOCK.micros += 1
+
+
+    def drain(self) -> None:
+        """Wait for the send in flight, if any (a send nobody evaluates never happens: this one was started)."""
+        if self.sending is not None:
+            _timed("wait", [self.sending])
+            self.sending = None
 
 
 def run(lm: Any, micros: Sequence[Micro], collect: Callable[[Any], None]) -> bool:
@@ -110,4 +135,5 @@ def run(lm: Any, micros: Sequence[Micro], collect: Callable[[Any], None]) -> boo
     with passing(lm.model, state.pipe):
         for step in rank_steps(rank, size, len(micros)):
             state.step(step)
+        state.drain()
     return rank == size - 1
