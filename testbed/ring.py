@@ -2,8 +2,9 @@
 
 `run_split(models, grouping, work)` starts one process per rank (`python -m testbed.ring TASK RANK`); each joins
 the ring, loads its share of every model in `models` ({name: folder}; worker.load.load with the group) and runs
-every (name, Job, requests) of `work` through worker.jobs.run, in the same order, as a group's ranks do. Returns
-each rank's report: its layers and peak memory per model, and results (a job that raised gives "error: <message>").
+every (name, Job, requests[, Batching]) of `work` through worker.jobs.run, in the same order, as a group's ranks
+do. Returns each rank's report: its layers and peak memory per model, results (a job that raised gives
+"error: <message>") and `clock`, its pipelined busy and waiting time (worker.split.stages.CLOCK).
 A grouping of size 1 loads the whole models unsplit.
 """
 
@@ -58,12 +59,12 @@ def weights_held(lm: Any) -> int:
     return sum(w.nbytes for _, w in tree_flatten(lm.model.parameters()))
 
 
-def _job(lm: Any, job: Any, requests: list) -> Any:
+def _job(lm: Any, job: Any, requests: list, batching: Any = None) -> Any:
     from worker.jobs import run
     from worker.spec import Batching
 
     try:
-        return list(run(lm, job, requests, Batching()))
+        return list(run(lm, job, requests, batching or Batching()))
     except Exception as e:  # reported per job, as the worker reports it
         return f"error: {e}"
 
@@ -74,6 +75,7 @@ def main(task_path: str, rank: int) -> None:
     from worker.load import load
     from worker.spec import ModelSpec
     from worker.split import join, peak_memory_gb
+    from worker.split.stages import CLOCK
 
     task = pickle.loads(Path(task_path).read_bytes())
     grouping = task["grouping"]
@@ -84,10 +86,10 @@ def main(task_path: str, rank: int) -> None:
         models[name] = load(ModelSpec(model=folder, dtype=task["dtype"]), group=group, grouping=grouping)
         layers[name], load_peak[name] = models[name].layers, peak_memory_gb()
     held = {name: weights_held(lm) for name, lm in models.items()}
-    results = [_job(models[name], job, requests) for name, job, requests in task["work"]]
+    results = [_job(models[name], job, requests, *rest) for name, job, requests, *rest in task["work"]]
     cascade = {name: getattr(lm.model, "_orchard_cascade", None) for name, lm in models.items()}  # its verdict, if asked
     report = {"rank": rank, "layers": layers, "load_peak_gb": load_peak, "peak_gb": peak_memory_gb(),
-              "weights_bytes": held, "results": results, "cascade": cascade}  # fmt: skip
+              "weights_bytes": held, "results": results, "cascade": cascade, "clock": CLOCK}  # fmt: skip
     (Path(task_path).parent / f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 

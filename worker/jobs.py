@@ -14,8 +14,9 @@ from .generate import generate
 from .grid import run_grid
 from .load import LoadedModel
 from .prefix_cache import use_budget
-from .score import loglikelihood
+from .score import loglikelihood, pipelined_loglikelihood
 from .spec import Batching, Job
+from .split.stages import pipelined
 from .steer import steered
 
 
@@ -38,8 +39,11 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
         return run_grid(lm, job.kind, job.grid, requests, batching)
     notes: list[str] = []
     with steered(lm, job.steering, notes):
+        # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
+        # loglikelihood pairs), steered or not, prefix families included; the last rank answers. Still lockstep
+        # (every stage after the other, an all_gather per forward): generate, capture and grid jobs (above).
         if job.kind == "loglikelihood":
-            out = loglikelihood(lm, requests, batching)
+            out = (pipelined_loglikelihood if pipelined(lm) else loglikelihood)(lm, requests, batching)
         elif job.kind == "generate":
             out = generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
         else:

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from .hooks import Rows
 from .spec import Batching
+from .split import stages
 
 
 # --- requests -> rows -> families -------------------------------------------------------------------
@@ -167,16 +168,27 @@ def _batches(rows: list[Row], prefix: int, batching: Batching) -> list[list[Row]
     return out
 
 
-def _prefix_cache(lm, tokens: Sequence[int]) -> list | None:
-    """Run the shared prefix once (batch 1) and return its per-layer KV cache."""
+def _empty_cache(lm) -> list | None:
+    """A fresh per-layer KV cache to hold a shared prefix; None for rotating / hybrid caches (no sharing)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     cache = make_prompt_cache(lm.model)
-    if not all(type(c) is KVCache for c in cache):
-        return None  # rotating / hybrid caches: no prefix sharing for these architectures
+    return cache if all(type(c) is KVCache for c in cache) else None
+
+
+def _prefix_body(lm, tokens: Sequence[int], cache: list) -> mx.array:
+    """The shared prefix's forward (batch 1) into `cache`, lazy; its body output."""
     # Rows(ends=P+1): every prefix token is real, none is any row's last token.
     with lm.hooks.forward(Rows(offset=0, ends=mx.array([len(tokens) + 1]))):
-        lm.head.body(mx.array([tokens]), cache=cache)
+        return lm.head.body(mx.array([tokens]), cache=cache)
+
+
+def _prefix_cache(lm, tokens: Sequence[int]) -> list | None:
+    """Run the shared prefix once (batch 1) and return its per-layer KV cache."""
+    cache = _empty_cache(lm)
+    if cache is None:
+        return None
+    _prefix_body(lm, tokens, cache)
     mx.eval([c.state for c in cache])
     return cache
 
@@ -195,15 +207,25 @@ def _broadcast(prefix_cache: list, batch: int) -> list:
     return out
 
 
-def _score_batch(lm, batch: list[Row], prefix: int, cache: list | None):
-    """One forward over right-padded rows; returns lazy per-request (sum logprob, all greedy) arrays."""
+def _body_batch(lm, batch: list[Row], prefix: int, cache: list | None) -> mx.array:
+    """One forward of the body over right-padded rows: lazy hidden states [B, width, hidden]."""
     width = max(len(r.tokens) for r in batch) - prefix
     padded = [list(r.tokens[prefix:]) + [0] * (width - len(r.tokens) + prefix) for r in batch]
     rows = Rows(
         offset=prefix, ends=mx.array([len(r.tokens) for r in batch]), prompt_ends=mx.array([r.prompt_end for r in batch])
     )
     with lm.hooks.forward(rows):
-        hidden = lm.head.body(mx.array(padded), cache=_broadcast(cache, len(batch)) if cache else None)
+        return lm.head.body(mx.array(padded), cache=_broadcast(cache, len(batch)) if cache else None)
+
+
+def _score_batch(lm, batch: list[Row], prefix: int, cache: list | None):
+    """One forward over right-padded rows; returns lazy per-request (sum logprob, all greedy) arrays."""
+    return _head_batch(lm, batch, prefix, _body_batch(lm, batch, prefix, cache))
+
+
+def _head_batch(lm, batch: list[Row], prefix: int, hidden: mx.array):
+    """Per-request lazy (sum logprob, misses) from a batch's body output: the head at the scored rows only."""
+    width = hidden.shape[1]
     # Gather the scored positions (and only those) before the LM head.
     flat_pos, targets, segment, index = [], [], [], []
     for b, row in enumerate(batch):
@@ -253,3 +275,37 @@ def loglikelihood(
         collect(*pending)
     return [results[i] for i in range(len(requests))]
 
+
+
+# --- the same kernel on a pipeline group: micro-batches through worker.split.stages (issue 26) ------------
+
+
+def _micros(lm, rows: list[Row], batching: Batching) -> list[stages.Micro]:
+    """Per family: its prefix pass (every rank keeps its layers' KV), then its batches, as loglikelihood cuts them."""
+    micros: list[stages.Micro] = []
+    for fam in _families(rows, batching.prefix_reuse):
+        cache = _empty_cache(lm) if fam.prefix else None
+        if cache is not None:
+            tokens = fam.rows[0].tokens[: fam.prefix]
+            micros.append(stages.Micro(lambda t=tokens, c=cache: _prefix_body(lm, t, c), keep=lambda c=cache: [x.state for x in c]))
+        prefix = fam.prefix if cache is not None else 0
+        for batch in _batches(fam.rows, prefix, batching):
+            micros.append(stages.Micro(lambda b=batch, p=prefix, c=cache: _body_batch(lm, b, p, c),
+                                       lambda h, b=batch, p=prefix: _head_batch(lm, b, p, h)))  # fmt: skip
+    return micros
+
+
+def pipelined_loglikelihood(lm, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+                            batching: Batching | None = None) -> list[tuple[float, bool] | None]:  # fmt: skip
+    """`loglikelihood` on one rank of a pipeline group: its micro-batches pipelined across the ranks; the last
+    rank returns the numbers (equal to the unsplit model's), the others None per request."""
+    batching = batching or Batching()
+    rows, results = _rows(requests, lm.max_length, split_prompt=lm.hooks.splits_prompt)
+
+    def collect(out) -> None:
+        index, sums, misses = out[0], out[1].tolist(), out[2].tolist()
+        for i, s, m in zip(index, sums, misses):
+            results[i] = (s, m == 0)
+
+    last = stages.run(lm, _micros(lm, rows, batching), collect)
+    return [results[i] for i in range(len(requests))] if last else [None] * len(requests)

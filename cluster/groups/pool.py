@@ -1,7 +1,8 @@
 """Worker groups as the scheduler sees them: one worker each (cluster.schedule.dispatch runs unchanged over them).
 
-`GroupHandle.run.remote(...)` sends a chunk to every rank, in the same order on every rank, and returns rank 0's
-ref (the group's result); the other ranks' refs are watched by the `GroupPool`. Any rank dying, its ring
+`GroupHandle.run.remote(...)` sends a chunk to every rank, in the same order on every rank, and returns the
+answering rank's ref (the group's result: the last rank under pipeline, rank 0 under tensor); the other ranks'
+refs are watched by the `GroupPool`. Any rank dying, its ring
 breaking, or the group making no progress within the deadline loses the whole group: every rank is killed and
 its placement group freed, and its chunks come back to the queue as a dead worker's do. A process keeps its
 first ring for life, so the slot is then re-formed from fresh processes (cluster.groups.reform), up to
@@ -17,6 +18,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from worker.split.plan import answering_rank
 
 from ..actor import Pool
 from ..connect import ClusterError
@@ -37,11 +40,13 @@ class _Run:
 
 
 class GroupHandle:
-    """One group's ranks (rank 0 first), its placement group, and the other ranks' refs not landed yet."""
+    """One group's ranks (rank 0 first), its placement group, and the other ranks' refs not landed yet; `answer`:
+    the rank whose ref is the group's result (the pool sets it from the grouping)."""
 
-    def __init__(self, ranks: Sequence[Any], index: int, placement: Any = None) -> None:
-        self.ranks, self.index, self.placement = list(ranks), index, placement
-        self.watching: list = []  # refs of ranks > 0, in submission order
+    def __init__(self, ranks: Sequence[Any], index: int, placement: Any = None, answer: int = 0) -> None:
+        self.ranks, self.index, self.placement, self.answer = list(ranks), index, placement, answer
+        self.watching: list = []  # refs of the other ranks, in submission order
+        self.answers: list = []  # the answering rank's refs not landed yet (the scheduler reads their values)
         self.since = 0.0  # when the group last made progress (or got work while idle)
         self.chunks = 0  # chunks these ranks finished
         self.run = _Run(self)
@@ -53,10 +58,23 @@ class GroupHandle:
 
     def submit(self, *args: Any) -> Any:
         refs = [r.run.remote(*args) for r in self.ranks]
-        if not self.watching:
+        if not self.holding():
             self.since = time.monotonic()
-        self.watching.extend(refs[1:])
-        return refs[0]
+        self.watching.extend(refs[: self.answer] + refs[self.answer + 1 :])
+        self.answers.append(refs[self.answer])
+        return refs[self.answer]
+
+    def holding(self) -> bool:
+        """Whether any rank still holds a chunk. An answer landed since counts as progress: a pipelined rank 0
+        finishes its chunks before the last rank does, so only the answering rank's landing shows the whole
+        group still works (a hung last rank must not hide behind rank 0's answers)."""
+        if self.answers:
+            import ray
+
+            ready, self.answers = ray.wait(self.answers, num_returns=len(self.answers), timeout=0)
+            if ready:
+                self.since = time.monotonic()
+        return bool(self.watching or self.answers)
 
     def kill(self) -> None:
         import ray
@@ -108,6 +126,9 @@ class GroupPool(Pool):
         """`tell(results)`: shows the steering notes ranks > 0 attach (the executor's notes callback)."""
         super().__init__(groups, revive=lambda group: None)
         self.deadline, self.recipe, self.max_restarts, self.tell = deadline, recipe, max_restarts, tell
+        self.answer = answering_rank(recipe.grouping) if recipe is not None else 0
+        for group in self.workers:
+            group.answer = self.answer
         self.losses: list[tuple[int, str]] = []  # (slot, why it was lost [and why it was not re-formed]), in order
         self.tries = [0] * len(self.workers)  # re-formings started per slot (its restart budget spent)
         self.reformed = [0] * len(self.workers)  # re-formings that brought the slot back
@@ -126,6 +147,7 @@ class GroupPool(Pool):
         why = reason or group.why()  # before the kill: name the rank that died first
         self.alive.discard(w)
         group.watching.clear()
+        group.answers.clear()
         group.kill()
         if self.recipe is not None and group.placement is not None:
             free(self.recipe.placements, group.placement)
@@ -191,7 +213,7 @@ class GroupPool(Pool):
         from .form import rank_row
 
         del self.reforms[w]
-        self.workers[w] = GroupHandle(reform.ranks, w, reform.pg)
+        self.workers[w] = GroupHandle(reform.ranks, w, reform.pg, self.answer)
         if self.facts:
             self.facts[w] = {**facts[0], "ranks": [rank_row(f) for f in facts]}
         self.alive.add(w)
@@ -211,7 +233,7 @@ class GroupPool(Pool):
         within moments of the kill, long before fresh ranks load; this guards the rest): every rank is alive."""
         return bool(self.reformed[w]) and w in self.alive and not self.workers[w].dead()
 
-    def lost(self, w: int) -> None:  # a result of rank 0 failed: its process died
+    def lost(self, w: int) -> None:  # a result of the answering rank failed: its process died
         if not self.stale(w):
             self.lose(w)
 
@@ -219,8 +241,8 @@ class GroupPool(Pool):
         return {ref: w for w in sorted(self.alive) for ref in self.workers[w].watching}
 
     def settle(self, ref: Any) -> None:
-        """A rank > 0 answered: progress (its steering notes told); or it failed: the group is lost (an error that
-        is not the ring's is raised, as rank 0's would be)."""
+        """Another rank than the answering one answered: progress (its steering notes told); or it failed: the group
+        is lost (an error that is not the ring's is raised, as the answering rank's would be)."""
         import ray
 
         w = self.watched()[ref]
@@ -241,7 +263,7 @@ class GroupPool(Pool):
     def due(self) -> float | None:
         """Seconds until the next deadline: a group holding chunks, or a slot's re-forming step."""
         now = time.monotonic()
-        waits = [self.workers[w].since + self.deadline - now for w in self.alive if self.workers[w].watching]
+        waits = [self.workers[w].since + self.deadline - now for w in self.alive if self.workers[w].holding()]
         waits += [reform.deadline - now for reform in self.reforms.values() if not self.patient(reform)]
         return max(0.0, min(waits)) if waits else None
 
@@ -249,7 +271,7 @@ class GroupPool(Pool):
         now = time.monotonic()
         for w in sorted(self.alive):
             group = self.workers[w]
-            if group.watching and now - group.since >= self.deadline:
+            if group.holding() and now - group.since >= self.deadline:
                 self.lose(w, f"no rank answered within its {self.deadline:g} s deadline (a hung rank)")
         for w, reform in list(self.reforms.items()):
             if self.patient(reform):
@@ -274,7 +296,7 @@ class GroupPool(Pool):
         answers after its chunks); {} when they do not answer within `timeout` s."""
         import ray
 
-        if not ray.is_initialized() or any(self.workers[w].watching for w in self.alive):
+        if not ray.is_initialized() or any(self.workers[w].holding() for w in self.alive):
             return {}
         asked = {(w, r): actor.peak_memory.remote() for w in sorted(self.alive) for r, actor in enumerate(self.workers[w].ranks)}
         ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout)

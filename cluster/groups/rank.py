@@ -2,7 +2,9 @@
 
 The constructor loads nothing: the head first asks every rank for an address (`address`), then hands all of
 them the same hostfile (`form`). Every rank gets the same calls in the same order (the lockstep rule of
-notes/GROUPS.md); rank 0 returns the group's results, the others `(indices, None)` or only their steering notes.
+notes/GROUPS.md); the answering rank (worker.split.answering_rank: the last under pipeline, the one rank that
+computes a pipelined kernel's numbers; rank 0 under tensor) returns the group's results, the others
+`(indices, None)` or only their steering notes.
 A rank is never restarted: a process keeps its first ring for life; a lost group is re-formed from fresh ranks
 (cluster.groups.reform).
 """
@@ -15,7 +17,7 @@ from typing import Any
 from worker.jobs import Results, run
 from worker.load import load, resolve
 from worker.spec import Batching, Grouping, Job, ModelSpec
-from worker.split import peak_memory_gb
+from worker.split import answering_rank, peak_memory_gb
 
 from ..actor import WorkerActor
 
@@ -73,10 +75,10 @@ class GroupRank(WorkerActor):
         return peak_memory_gb()
 
     def run(self, job: Job, indices: Sequence[int], requests: Sequence[Any]) -> tuple[Sequence[int], list | None]:
-        """Rank 0: the group's results. The others: None, or only their steering notes (a note is made by the rank
-        that owns the steered layer, which under pipeline is not rank 0)."""
+        """The answering rank: the group's results. The others: None, or only their steering notes (a note is made
+        by the rank that owns the steered layer)."""
         results = run(self.lm, job, requests, self.batching)
-        if self.rank_in_group == 0:
+        if self.rank_in_group == answering_rank(self.grouping):
             return indices, results
         notes = getattr(results, "notes", ())
         return indices, (Results((), notes) if notes else None)

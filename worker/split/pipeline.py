@@ -2,8 +2,13 @@
 blocks (their GLOBAL layer indices stay: hooks, steering and capture name layers as the whole model does).
 
 The first local block takes the hidden state from the rank before (recv), the last local block sends its output
-to the rank after and then every rank keeps the LAST stage's output of an all_gather: every rank ends the body
-with the same hidden state, so the final norm, the head and every kernel after the forward agree across ranks.
+to the rank after. Two ways on from there:
+- lockstep (every kernel by default): every rank keeps the LAST stage's output of an all_gather, so every rank
+  ends the body with the same hidden state and every kernel after the forward agrees across ranks;
+- pipelined (inside `passing(model, pipe)`: worker.split.stages runs the schedule): no send and no gather in the
+  blocks; the first local block reads its input from a lazy `recv_like` (kept on `pipe.received`) and the last
+  one leaves its output on `pipe.out`, and the stages loop evaluates the receive, the layers and the send as
+  steps of its own, so each rank works on another micro-batch.
 Embeddings, the final norm and the head stay on every rank (the fixed overhead of a pipeline rank).
 """
 
@@ -13,10 +18,23 @@ from typing import Any
 
 import mlx.core as mx
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 from ..hooks import decoder_layers
 from .plan import layer_ranges
 
 _STAGED: dict[type, type] = {}
+
+
+@dataclass
+class Pipe:
+    """A pipelined forward's hand-over points on this rank: the lazy receive its first block read (ranks > 0) and
+    the output of its last block (ranks before the last), for the stages loop to evaluate and send."""
+
+    received: mx.array | None = None
+    out: mx.array | None = None
 
 
 def _cache_of(args: tuple, kwargs: dict) -> Any:
@@ -48,12 +66,18 @@ def _staged_class(cls: type) -> type:
     if cls not in _STAGED:
 
         def __call__(self, *args: Any, **kwargs: Any):
-            group = self._orchard_group
+            group, pipe = self._orchard_group, self._orchard_pipe
             if self._orchard_receives:
                 x = args[0] if args else next(iter(kwargs.values()))
-                args, kwargs = _with_input(args, kwargs, mx.distributed.recv_like(x, group.rank() - 1, group=group))
+                received = mx.distributed.recv_like(x, group.rank() - 1, group=group)  # x: shape and dtype only
+                if pipe is not None:
+                    pipe.received = received
+                args, kwargs = _with_input(args, kwargs, received)
             out = cls.__call__(self, *args, **kwargs)
             if not self._orchard_sends:
+                return out
+            if pipe is not None:  # pipelined: the stages loop sends (ranks before the last); no gather
+                pipe.out = out[0] if isinstance(out, tuple) else out
                 return out
             if isinstance(out, tuple):  # blocks that also return e.g. router logits
                 return (_handoff(self, out[0], _cache_of(args, kwargs)), *out[1:])
@@ -108,7 +132,22 @@ def split(model: Any, group: "mx.distributed.Group") -> tuple[int, int]:
         block._orchard_group = group
         block._orchard_receives = i == 0 and group.rank() > 0
         block._orchard_sends = i == len(kept) - 1
+        block._orchard_pipe = None
     return start, end
+
+
+@contextlib.contextmanager
+def passing(model: Any, pipe: Pipe) -> Iterator[Pipe]:
+    """Inside, a split model's forwards hand over through `pipe` (pipelined) instead of send + all_gather; the
+    same ops otherwise, so the last rank's numbers are the lockstep ones."""
+    blocks = [b for b in decoder_layers(model) if getattr(b, "_orchard_stage", False)]
+    for block in blocks:
+        block._orchard_pipe = pipe
+    try:
+        yield pipe
+    finally:
+        for block in blocks:
+            block._orchard_pipe = None
 
 
 def shared_rows(group: "mx.distributed.Group", outs: list, h: mx.array, rows: int) -> mx.array:

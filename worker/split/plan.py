@@ -38,6 +38,12 @@ def layer_ranges(n_layers: int, size: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def answering_rank(grouping) -> int:
+    """The rank whose results are its group's: the last under pipeline (pipelined kernels compute the numbers
+    there only; lockstep ones on every rank), rank 0 otherwise."""
+    return grouping.size - 1 if grouping is not None and grouping.split == "pipeline" else 0
+
+
 def _models_folder() -> Path | None:
     spec = importlib.util.find_spec("mlx_lm")
     if spec is None or not spec.submodule_search_locations:

@@ -1,0 +1,199 @@
+"""Pipelined worker groups (issue 26): one pipeline group of 2, lockstep vs pipelined, against one unsplit worker.
+
+    python bench/bench_pipeline.py [--hidden 512] [--layers 8] [--docs 256] [--tokens 48] [--batch 8] [--repeat 2]
+
+The model is a random-weight llama written locally. Every rank (and the unsplit anchor) is one process pinned to
+a core of its own (os.sched_setaffinity: rank r on core r) with one BLAS/OpenMP thread and Debian's OpenBLAS
+preloaded when present, ring over 127.0.0.1, no Ray: it measures what K Macs would do, on K cores. The job: MMLU-
+like documents, each a context and four one-token choices (lm-eval's 4 requests, one row). Timed: the kernel
+only (worker.score), after loading and a warm-up job, from a barrier to the last rank's results. The group runs
+both kernels on one ring, alternating; the anchor and the group alternate too, and each keeps its best of
+--repeat. "overlap": each send on a stream of its own while the next micro-batch computes
+(worker.split.stages.OVERLAP). Every run must agree with the anchor within 1e-5. Busy: the share of the job each rank spent computing
+(worker.split.stages.CLOCK), the rest waiting in transfers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
+
+def documents(n: int, tokens: int, vocab: int, seed: int = 0) -> list:
+    """n contexts of `tokens` tokens, each with four one-token choices (one shared context object, as lm-eval's);
+    ids inside the model's vocabulary (write_model's tokenizer may hold fewer than asked: an id past it reads
+    outside the embedding)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ctx = (1, *rng.integers(3, vocab, tokens - 1).tolist())
+        out += [(ctx, (c,)) for c in (30, 31, 32, 33)]
+    return out
+
+
+def _env() -> dict:
+    from cluster.facts import fast_blas
+
+    env = {**os.environ, **dict.fromkeys(THREAD_VARS, "1"), "PYTHONPATH": str(ROOT)}
+    preload = fast_blas()
+    if preload and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = preload
+    return env
+
+
+def launch(task: dict, size: int, folder: Path) -> list[dict]:
+    """One process per rank (`--rank R`), pinned to its core; their reports in rank order."""
+    from worker.split import free_address
+
+    task = {**task, "size": size, "hostfile": [free_address("127.0.0.1") for _ in range(size)]}
+    path = folder / f"task{size}.pkl"
+    path.write_bytes(pickle.dumps(task))
+    procs = [subprocess.Popen([sys.executable, __file__, "--task", str(path), "--rank", str(r)], env=_env()) for r in range(size)]
+    try:
+        codes = [p.wait(timeout=1200) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(codes):
+        raise SystemExit(f"a rank exited {codes}")
+    return [pickle.loads((folder / f"task{size}.rank{r}.pkl").read_bytes()) for r in range(size)]
+
+
+def _barrier(group) -> None:
+    import mlx.core as mx
+
+    if group is not None:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
+
+
+def _timed(lm, kernel, reqs, batching, group) -> dict:
+    from worker.split.stages import CLOCK
+
+    _barrier(group)
+    CLOCK.busy = CLOCK.wait = 0.0
+    start = time.perf_counter()
+    results = kernel(lm, reqs, batching)
+    return {"seconds": time.perf_counter() - start, "results": results, "busy": CLOCK.busy, "wait": CLOCK.wait}
+
+
+def _overlapped(lm, reqs, batching):
+    """The pipelined kernel with each send on a stream of its own (worker.split.stages.OVERLAP)."""
+    from worker.score import pipelined_loglikelihood
+    from worker.split import stages
+
+    stages.OVERLAP = True
+    try:
+        return pipelined_loglikelihood(lm, reqs, batching)
+    finally:
+        stages.OVERLAP = False
+
+
+def rank_main(task_path: str, rank: int) -> None:
+    """A rank (or the anchor, size 1): load, warm up, then run each kernel named in the task, timed."""
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    from cluster.facts import blas
+    from worker.load import load
+    from worker.score import loglikelihood, pipelined_loglikelihood
+    from worker.spec import Batching, Grouping, ModelSpec
+    from worker.split import join
+
+    task = pickle.loads(Path(task_path).read_bytes())
+    size = task["size"]
+    group = join(task["hostfile"], rank) if size > 1 else None
+    lm = load(ModelSpec(model=task["model"], max_length=512), group=group, grouping=Grouping(size=size, split="pipeline"))
+    kernels = {"lockstep": loglikelihood, "pipelined": pipelined_loglikelihood, "overlapped": _overlapped} if size > 1 else {"unsplit": loglikelihood}
+    batching = Batching(batch_size=task["batch"])
+    for kernel in kernels.values():  # warm-up: first-call costs out of the timing
+        kernel(lm, task["reqs"][:32], batching)
+    report = {"blas": blas(), "cpus": sorted(os.sched_getaffinity(0))}
+    for name, kernel in kernels.items():
+        report[name] = _timed(lm, kernel, task["reqs"], batching, group)
+    Path(task_path).with_suffix(f".rank{rank}.pkl").write_bytes(pickle.dumps(report))
+
+
+def _job_row(reports: list[dict], name: str) -> dict:
+    """The job's seconds (its slowest rank), the last rank's results, each rank's busy share of the job."""
+    seconds = max(r[name]["seconds"] for r in reports)
+    return {"seconds": seconds, "results": reports[-1][name]["results"], "busy": [r[name]["busy"] / seconds for r in reports]}
+
+
+def measure(args, model: Path, reqs: list, folder: Path) -> tuple[dict, dict]:
+    """Interleaved runs: {config: [seconds...]}, and the best run's row per config."""
+    task = {"model": str(model), "reqs": reqs, "batch": args.batch}
+    runs: dict = {"1 unsplit worker (anchor)": [], "1 group of 2, lockstep (before)": [], "1 group of 2, pipelined": [],
+                  "1 group of 2, pipelined + overlap": []}  # fmt: skip
+    best: dict = {}
+    for _ in range(args.repeat):
+        anchor = launch(task, 1, folder)
+        group = launch(task, 2, folder)
+        rows = {"1 unsplit worker (anchor)": _job_row(anchor, "unsplit"), "1 group of 2, lockstep (before)": _job_row(group, "lockstep"),
+                "1 group of 2, pipelined": _job_row(group, "pipelined"),
+                "1 group of 2, pipelined + overlap": _job_row(group, "overlapped")}  # fmt: skip
+        for name, row in rows.items():
+            runs[name].append(row["seconds"])
+            if name not in best or row["seconds"] < best[name]["seconds"]:
+                best[name] = {**row, "blas": anchor[0]["blas"]}
+    return runs, best
+
+
+def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> None:
+    anchor = best["1 unsplit worker (anchor)"]
+    worst = max(abs(a[0] - b[0]) for row in best.values() for a, b in zip(row["results"], anchor["results"]))
+    load = os.getloadavg()
+    print(f"\nrandom llama hidden={args.hidden} layers={args.layers} ({weights_mb:.0f} MB); {args.docs} documents x 4 choices "
+          f"of {args.tokens} tokens; batch {args.batch} ({-(-args.docs // args.batch)} micro-batches); one core and one BLAS thread "
+          f"per process ({anchor['blas']}); load average {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
+    print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5)")
+    print(f"| {'run':<34} | best s | all runs (s) | vs anchor | busy per rank |")
+    print(f"|{'-' * 36}|-------:|-------------:|----------:|---------------|")
+    for name, row in best.items():
+        busy = " ".join(f"{b:.2f}" for b in row["busy"]) if "pipelined" in name else "-"
+        all_runs = " ".join(f"{s:.2f}" for s in runs[name])
+        print(f"| {name:<34} | {row['seconds']:6.2f} | {all_runs:>12} | {anchor['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--docs", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--task", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.task:
+        return rank_main(args.task, args.rank)
+    from testbed.models import write_model
+    from worker.load import weights_bytes
+
+    folder = Path(tempfile.mkdtemp(prefix="orchard-bench-pipeline-"))
+    try:
+        model = write_model(folder / "model", hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4, intermediate=3 * args.hidden)
+        start = time.monotonic()
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        runs, best = measure(args, model, documents(args.docs, args.tokens, vocab), folder)
+        report(args, runs, best, weights_bytes(model) / 1e6, time.monotonic() - start)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
