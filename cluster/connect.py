@@ -22,10 +22,11 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from . import failures
 
 LOCAL = "local"
 START_HINT = "start one with `ray start --head --resources='{\"mlx\": 1}'`, or pass --address local"
@@ -349,26 +350,6 @@ def _init(ray, **kwargs) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-def stdout_for_results() -> None:
-    """Ray prints what reaches the driver from the cluster (the raylet's "A worker died or was killed ..." and any
-    worker output) on stdout when it is not an error stream: send all of it to stderr, so that stdout holds the
-    results only (`driver run ... > table.md` stays clean). Ray looks the printer up by name at each print."""
-    from ray._private import worker as ray_worker
-
-    for owner, name in ((ray_worker, "print_to_stdstream"), (ray_worker.global_worker_stdstream_dispatcher, "emit")):
-        original = getattr(owner, name, None)  # the raylet's lines / the worker log lines Ray forwards
-        if original is not None and not getattr(original, "orchard_stderr", False):
-            setattr(owner, name, _on_stderr(original))
-
-
-def _on_stderr(printer: Callable) -> Callable:
-    def on_stderr(data: dict, *args: Any, **kwargs: Any) -> None:
-        printer({**data, "is_err": True}, *args, **kwargs)
-
-    on_stderr.orchard_stderr = True  # type: ignore[attr-defined]
-    return on_stderr
-
-
 def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bool = False) -> Connection:
     """Join the cluster at `address` (None: $RAY_ADDRESS, else embedded), or reuse this process's Ray connection.
 
@@ -382,7 +363,7 @@ def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bo
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     import ray
 
-    stdout_for_results()
+    failures.stdout_for_results()
 
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address

@@ -5,7 +5,7 @@ load its model) and the fix. Ray's own messages run to dozens of lines; these re
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _OOM_NODE = re.compile(r"Memory on the node \(IP: ([^,]+), ID: ([0-9a-f]+)\) was ([\d.]+\s*\w+) used / ([\d.]+\s*\w+) limit")
@@ -137,3 +137,23 @@ def lost_workers(actors: Sequence[Any]) -> str:
         return ""
     memory = any("out of memory" in line for line in lines)
     return "; ".join(lines) + (f" ({MEMORY_FIX})" if memory else "")
+
+
+def stdout_for_results() -> None:
+    """Ray prints what reaches the driver from the cluster (the raylet's "A worker died or was killed ..." and any
+    worker output) on stdout when it is not an error stream: send all of it to stderr, so that stdout holds the
+    results only (`driver run ... > table.md` stays clean). Ray looks the printer up by name at each print."""
+    from ray._private import worker as ray_worker
+
+    for owner, name in ((ray_worker, "print_to_stdstream"), (ray_worker.global_worker_stdstream_dispatcher, "emit")):
+        original = getattr(owner, name, None)  # the raylet's lines / the worker log lines Ray forwards
+        if original is not None and not getattr(original, "orchard_stderr", False):
+            setattr(owner, name, _on_stderr(original))
+
+
+def _on_stderr(printer: Callable) -> Callable:
+    def on_stderr(data: dict, *args: Any, **kwargs: Any) -> None:
+        printer({**data, "is_err": True}, *args, **kwargs)
+
+    on_stderr.orchard_stderr = True  # type: ignore[attr-defined]
+    return on_stderr

@@ -98,9 +98,7 @@ def vectors(
     if site in HEAD_SITES and grouping.size > 1 and grouping.split == "tensor":
         raise BadUsage("--site attn_head: a tensor-split group holds each head on one node only: use --split pipeline")
     args |= {"group_size": grouping.size, "split": grouping.split}
-    for name, value in (("address", address), ("threads", threads)):
-        if value is not None:
-            args[name] = value
+    args |= {name: value for name, value in (("address", address), ("threads", threads)) if value is not None}
     lm = open_model(args)
     tell_chosen(size, split, grouping)
     try:
