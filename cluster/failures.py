@@ -5,6 +5,7 @@ load its model) and the fix. Ray's own messages run to dozens of lines; these re
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -151,9 +152,24 @@ def stdout_for_results() -> None:
             setattr(owner, name, _on_stderr(original))
 
 
+_FORWARDING = {"on": True}
+
+
+def stop_forwarding() -> None:
+    """Drop what Ray forwards from now on: the driver's `Error:` line is the last one the user reads (the raylet's
+    notices of the workers it saw die otherwise arrive after it, from Ray's own thread, or from the lines it held
+    back as repeats, which it prints when it disconnects)."""
+    _FORWARDING["on"] = False
+    logging = sys.modules.get("ray._private.ray_logging")
+    for held in (getattr(logging, "stdout_deduplicator", None), getattr(logging, "stderr_deduplicator", None)):
+        if held is not None:
+            held.flush()  # what it returns is dropped
+
+
 def _on_stderr(printer: Callable) -> Callable:
     def on_stderr(data: dict, *args: Any, **kwargs: Any) -> None:
-        printer({**data, "is_err": True}, *args, **kwargs)
+        if _FORWARDING["on"]:
+            printer({**data, "is_err": True}, *args, **kwargs)
 
     on_stderr.orchard_stderr = True  # type: ignore[attr-defined]
     return on_stderr

@@ -124,15 +124,16 @@ class SimRay:
         self.waits = 0
 
     def wait(self, refs, num_returns=1, timeout=None):
-        assert num_returns == 1
         self.waits += 1
-        first = min(refs, key=lambda r: (r.at, r.seq))
-        if timeout is not None and first.at > self.now + timeout:
+        ordered = sorted(refs, key=lambda r: (r.at, r.seq))
+        last = ordered[num_returns - 1]  # the one that completes the wait
+        if timeout is not None and last.at > self.now + timeout:
             self.now += timeout
-            return [], list(refs)
-        assert first.at != math.inf, "dispatch waits forever"
-        self.now = max(self.now, first.at)
-        return [first], [r for r in refs if r is not first]
+            ready = [r for r in ordered if r.at <= self.now]
+            return ready, [r for r in refs if r not in ready]
+        assert last.at != math.inf, "dispatch waits forever"
+        self.now = max(self.now, last.at)
+        return ordered[:num_returns], [r for r in refs if r not in ordered[:num_returns]]
 
     def get(self, ref):
         if ref.error is not None:

@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from cluster import failures
 from driver.checks import settings
 from driver.checks.errors import BadUsage, one_line
 from driver.lm import quiet
@@ -38,12 +39,12 @@ class OneLineErrors(click.Group):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as e:
-            click.echo(f"Error: {one_line(e.format_message())}", err=True)
+            _error(one_line(e.format_message()))
             if e.ctx is not None:
                 click.echo(f"Try '{e.ctx.command_path} --help' for help.", err=True)
             sys.exit(e.exit_code)
         except click.ClickException as e:
-            click.echo(f"Error: {one_line(e.format_message())}", err=True)
+            _error(one_line(e.format_message()))
             sys.exit(e.exit_code)
         except click.Abort:
             click.echo("Aborted!", err=True)
@@ -52,9 +53,14 @@ class OneLineErrors(click.Group):
             if os.environ.get("ORCHARD_TRACEBACK"):
                 raise
             detail = (str(e).strip().splitlines() or [""])[0]
-            click.echo(f"Error: internal error ({type(e).__name__}: {detail}); rerun with ORCHARD_TRACEBACK=1 for the traceback", err=True)
+            _error(f"internal error ({type(e).__name__}: {detail}); rerun with ORCHARD_TRACEBACK=1 for the traceback")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _error(message: str) -> None:
+    failures.stop_forwarding()
+    click.echo(f"Error: {message}", err=True)
 
 
 @contextlib.contextmanager
