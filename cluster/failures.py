@@ -140,19 +140,21 @@ def lost_workers(actors: Sequence[Any]) -> str:
     return "; ".join(lines) + (f" ({MEMORY_FIX})" if memory else "")
 
 
+_FORWARDING = {"on": True}
+
+
 def stdout_for_results() -> None:
     """Ray prints what reaches the driver from the cluster (the raylet's "A worker died or was killed ..." and any
     worker output) on stdout when it is not an error stream: send all of it to stderr, so that stdout holds the
     results only (`driver run ... > table.md` stays clean). Ray looks the printer up by name at each print."""
     from ray._private import worker as ray_worker
 
+    _FORWARDING["on"] = True  # each command forwards again until it says its Error line
     for owner, name in ((ray_worker, "print_to_stdstream"), (ray_worker.global_worker_stdstream_dispatcher, "emit")):
         original = getattr(owner, name, None)  # the raylet's lines / the worker log lines Ray forwards
         if original is not None and not getattr(original, "orchard_stderr", False):
             setattr(owner, name, _on_stderr(original))
 
-
-_FORWARDING = {"on": True}
 
 
 def stop_forwarding() -> None:

@@ -42,8 +42,10 @@ def _interrupt(signum, frame) -> None:
 def install() -> None:
     # datasets' "Generating test split: 12 examples" bars, one per split of every task: noise between the phases
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    if "datasets" in sys.modules:  # read when datasets is imported: an in-process caller has it already
-        sys.modules["datasets"].disable_progress_bars()
+    # read when datasets is imported: an in-process caller has it already, or is importing it on another thread
+    disable = getattr(sys.modules.get("datasets"), "disable_progress_bars", None)
+    if disable is not None:
+        disable()
     for name, fragments in _DROPPED.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) for f in logger.filters):  # once per process
