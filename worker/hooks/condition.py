@@ -26,9 +26,13 @@ from ..spec import Condition, Gate as GateSpec, SteeringError
 from .manager import HookContext, Rows
 
 
-def prompt_forward(rows: Rows) -> bool:
-    """Whether the forward holds prompt positions (a decode step's token comes after every row's prompt)."""
-    return rows.prompt_ends is None or rows.offset < int(mx.max(rows.prompt_ends).item())
+def prompt_forward(rows: Rows, length: int) -> bool:
+    """Whether the forward holds prompt positions, read off host facts (a device read here would stall the kernels'
+    pipelining): a conditional job shares no prefix (worker.jobs), so its prompt forwards start at position 0 and
+    every later forward is one decode step."""
+    if rows.offset > 0 and length > 1:
+        raise SteeringError("conditional steering met a prompt forward after a shared prefix: run it with prefix_reuse off")
+    return rows.offset == 0
 
 
 def pooled(x: mx.array, rows: Rows, pool: str) -> mx.array:
@@ -120,7 +124,7 @@ class Probe:
         self.vector = mx.array(self.condition.vector, dtype=mx.float32)
 
     def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
-        if prompt_forward(ctx.rows):
+        if prompt_forward(ctx.rows, x.shape[1]):
             sim = similarity(pooled(x, ctx.rows, self.condition.pool), self.vector)
             self.gate.observe(self.k, passes(sim, self.condition), ctx.rows)
         return x
