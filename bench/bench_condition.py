@@ -12,6 +12,8 @@ a job. Rows, each against the anchor measured in this process, interleaved (ABC 
                   (target <= 1.1x); and, for scale, the unconditional add with prefix sharing off (a conditional
                   job turns it off: every row's whole prompt must pass the condition's layers).
   generate        greedy generation of --gen-tokens tokens on the first --gen-prompts contexts: the same pair.
+  CSV             an lm-eval steered CSV (an sae-lens SAE's feature, `add`) vs the same direction as a .npy spec,
+                  the driver's reading of the file included (target <= 1.05x).
 
 Not a test: it asserts nothing, it prints tables (the box is shared: say the load, rerun when it is high).
 """
@@ -64,6 +66,48 @@ def part(kind: str, lm, batching, requests, warm, repeats: int) -> None:
     bs.table(f"{kind}: {len(requests)} requests, conditional fired on {fired}; best of {repeats}", "req", rows)
 
 
+def write_csv_and_spec(folder: Path, hidden: int, layer: int) -> tuple[Path, Path]:
+    """An sae-lens SAE folder (16 random features), an lm-eval steered CSV adding feature 3 at layers.{layer}, and the
+    same direction as a .npy in a plain spec: the two runs steer alike, only how the driver reads them differs."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(1)
+    sae = folder / "sae"
+    sae.mkdir(parents=True, exist_ok=True)
+    w_dec = rng.standard_normal((16, hidden)).astype(np.float32) / np.sqrt(hidden)
+    save_file({"W_dec": w_dec, "b_dec": np.zeros(hidden, np.float32), "W_enc": w_dec.T.copy(), "b_enc": np.zeros(16, np.float32)},
+              str(sae / "sae_weights.safetensors"))  # fmt: skip
+    (sae / "cfg.json").write_text(json.dumps({"d_in": hidden, "d_sae": 16, "hook_name": f"blocks.{layer}.hook_resid_post"}))
+    csv = folder / "steer.csv"
+    csv.write_text("loader,action,sparse_model,hookpoint,feature_index,steering_coefficient,head_index,sae_id,description\n"
+                   f"sae_lens,add,{sae},layers.{layer},3,2.0,,,bench\n")  # fmt: skip
+    np.save(folder / "f3.npy", w_dec[3])
+    spec = folder / "steer.yaml"
+    spec.write_text(f"interventions:\n  - {{layer: {layer}, vector: f3.npy, alpha: 2.0}}\n")
+    return csv, spec
+
+
+def part_csv(lm, batching, config: dict, requests, folder: Path, repeats: int) -> None:
+    """A CSV-steered run vs a vector-steered run: the driver's reading of the file (for_model) and the job."""
+    from driver.steering.spec import for_model
+    from worker.jobs import run
+    from worker.spec import Job
+
+    csv, spec = write_csv_and_spec(folder, config["hidden_size"], lm.n_layers // 2)
+
+    def steered_by(source: Path):
+        return lambda: run(lm, Job(kind="loglikelihood", steering=for_model(str(source), config).steering), requests, batching)
+
+    variants = {"vector-steered spec (anchor)": steered_by(spec), "lm-eval steered CSV (sae_lens)": steered_by(csv)}
+    for fn in variants.values():
+        fn()
+    times, out = bs.interleave(variants, repeats)
+    same = all(a == b for a, b in zip(*out.values()))
+    rows = [{"name": name, "times": times[name], "n": len(requests), "target": 1.05 if "CSV" in name else None} for name in variants]
+    bs.table(f"CSV vs vector: {len(requests)} loglikelihood requests, file read included; same numbers: {same}; best of {repeats}", "req", rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shots", type=int, default=0)
@@ -94,6 +138,7 @@ def main(argv=None) -> int:
         contexts = list(dict.fromkeys(c for c, _ in pairs))
         gen = [GenRequest(context=c, max_gen_toks=args.gen_tokens) for c in contexts[: args.gen_prompts]]
         part("generate", lm, batching, gen, gen[:4], args.repeat)
+        part_csv(lm, batching, cfg, pairs, Path(tmp), args.repeat)
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f}s; load average now {os.getloadavg()[0]:.2f}")
     return 0
 
