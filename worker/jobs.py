@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .capture import capture
-from .generate import generate
+from .generate import decode, generate, prompt_parts, texts
 from .grid import run_grid
 from .load import LoadedModel
 from .prefix_cache import use_budget
@@ -38,14 +38,28 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
     if job.grid:
         return run_grid(lm, job.kind, job.grid, requests, batching)
     notes: list[str] = []
-    with steered(lm, job.steering, notes):
+    fired: dict[int, bool] | None = {} if job.steering.conditional else None
+    if fired is not None:  # each row decided on its whole prompt: a prefix run once would hide it from the probes
+        batching = batching.model_copy(update={"prefix_reuse": False})
+    with steered(lm, job.steering, notes, fired):
         # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
         # loglikelihood pairs), steered or not, prefix families included; the last rank answers. Still lockstep
         # (every stage after the other, an all_gather per forward): generate, capture and grid jobs (above).
         if job.kind == "loglikelihood":
             out = (pipelined_loglikelihood if pipelined(lm) else loglikelihood)(lm, requests, batching)
+        elif job.kind == "generate" and fired is not None:
+            out = conditional_generate(lm, requests, batching.batch_size)
         elif job.kind == "generate":
             out = generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
         else:
             out = capture(lm, requests, job.points, batching)
+    if fired is not None and job.kind != "capture":  # each result says whether its row was steered
+        out = [[*r, fired.get(i, False)] if job.kind == "loglikelihood" else [r, fired.get(i, False)] for i, r in enumerate(out)]
     return Results(out, notes)
+
+
+def conditional_generate(lm: LoadedModel, requests: Sequence[Any], batch_size: int) -> list[str]:
+    """generate, each row run under "configuration" = its request index: conditional steering keeps each row's
+    decision by it for the decode steps (worker.hooks.condition)."""
+    reqs, parts = prompt_parts(lm, requests, batch_size=batch_size, prefix_reuse=False)
+    return texts(lm, decode(lm, reqs, parts, batch_size, configs=range(len(reqs))), requests)

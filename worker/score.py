@@ -212,7 +212,8 @@ def _body_batch(lm, batch: list[Row], prefix: int, cache: list | None) -> mx.arr
     width = max(len(r.tokens) for r in batch) - prefix
     padded = [list(r.tokens[prefix:]) + [0] * (width - len(r.tokens) + prefix) for r in batch]
     rows = Rows(
-        offset=prefix, ends=mx.array([len(r.tokens) for r in batch]), prompt_ends=mx.array([r.prompt_end for r in batch])
+        offset=prefix, ends=mx.array([len(r.tokens) for r in batch]), prompt_ends=mx.array([r.prompt_end for r in batch]),
+        requests=tuple(tuple(i for i, _, _ in r.requests) for r in batch),
     )
     with lm.hooks.forward(rows):
         return lm.head.body(mx.array(padded), cache=_broadcast(cache, len(batch)) if cache else None)

@@ -193,6 +193,45 @@ class Batching(BaseModel):
     prefix_cache_mb: int = Field(default=1024, ge=0, description="MiB of prefix KV kept across chunks (0: none)")
 
 
+class Condition(BaseModel):
+    """CAST's condition (Lee et al. 2024, "Programming Refusal with Conditional Activation Steering"; IBM's
+    activation-steering, leash_layer.py `_process_single_condition`): at the input of each of `layers` (resid_pre,
+    as the LeashLayer wraps a decoder layer), on the prompt, h = the prompt's hidden states pooled (`mean` over its
+    positions, or its `last`); sim = cos(h, tanh(P h)), P = c c^T / c^T c the projector on the condition vector c
+    (malleable_model.py: torch.ger(c, c) / c.c); `greater` fires when sim > threshold, `smaller` when sim <
+    threshold (the library's condition_comparator_threshold_is="smaller" / "larger": it names the threshold's
+    side); it fires when it does at any of its layers (the library keeps the first layer's yes)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vector: tuple[float, ...] = Field(repr=False)
+    layers: tuple[int, ...] = Field(min_length=1)
+    threshold: float = Field(allow_inf_nan=False)
+    compare: Literal["greater", "smaller"] = "greater"
+    pool: Literal["mean", "last"] = "mean"
+
+    @field_validator("vector")
+    @classmethod
+    def _finite(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        problem = overflow("the condition vector", np.asarray(v, dtype=np.float64)) if v else "the condition vector is empty"
+        if problem or not any(v):
+            raise ValueError(problem or "the condition vector is all zeros: it names no direction")
+        return v
+
+
+class Gate(BaseModel):
+    """When an intervention steers a row: `any` or `all` of its conditions fire on that row's prompt."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    conditions: tuple[Condition, ...] = Field(min_length=1)
+    rule: Literal["any", "all"] = "any"
+
+    def digest(self) -> dict:  # for the cache key: vectors by their float32 bytes
+        sha = lambda v: hashlib.sha256(np.asarray(v, dtype=np.float32).tobytes()).hexdigest()  # noqa: E731
+        return {"rule": self.rule, "conditions": [{**c.model_dump(exclude={"vector"}), "vector": sha(c.vector)} for c in self.conditions]}
+
+
 class Intervention(BaseModel):
     """One edit of the residual stream at `site.layer`, at the selected positions of every row.
 
@@ -211,6 +250,7 @@ class Intervention(BaseModel):
     alpha: float = 1.0
     positions: Literal["all", "prompt", "continuation", "last"] = "all"
     normalize: bool = False
+    condition: Gate | None = None  # steer only the rows whose prompt passes it (CAST)
 
     @field_validator("vector")
     @classmethod
@@ -285,17 +325,46 @@ class Steering(BaseModel):
             problem = width_problem(iv.site, len(iv.vector), hidden, heads[1])
             if problem:
                 raise SteeringError(f"interventions[{i}].vector: {problem}")
-            out.append(iv if layer == iv.layer else iv.model_copy(update={"layer": layer}))
+            update = {"layer": layer} if layer != iv.layer else {}
+            if iv.condition is not None:
+                update["condition"] = resolve_gate(iv.condition, layer, n_layers, hidden, f"interventions[{i}].condition")
+            out.append(iv.model_copy(update=update) if update else iv)
         return Steering(interventions=tuple(out))
+
+    @property
+    def conditional(self) -> bool:
+        return any(iv.condition is not None for iv in self.interventions)
 
     def key(self) -> str:
         """A digest of everything that changes a number (vectors by their float32 bytes); '' when empty."""
         if not self.interventions:
             return ""
         # `head` only when set: the keys of interventions without one stay those of before heads existed
-        rows = [{**i.model_dump(exclude={"vector"} | ({"head"} if i.head is None else set())), "vector": i.vector_sha256()}
-                for i in self.interventions]  # fmt: skip
+        rows = [{**i.model_dump(exclude={"vector", "condition"} | ({"head"} if i.head is None else set())), "vector": i.vector_sha256()}
+                | ({"condition": i.condition.digest()} if i.condition else {}) for i in self.interventions]  # fmt: skip
         return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+
+
+def resolve_gate(gate: Gate, layer: int, n_layers: int | None, hidden: int | None, where: str) -> Gate:
+    """`gate` checked against a model (condition vectors of its hidden size, layers in range, none after the
+    steered `layer`: the decision must be known when that layer runs), its layers made non-negative."""
+    conditions = []
+    for k, c in enumerate(gate.conditions):
+        name = f"{where}[{k}]" if len(gate.conditions) > 1 else where
+        if hidden is not None and len(c.vector) != hidden:
+            raise SteeringError(f"{name}.vector: has {len(c.vector)} values but the model's hidden size is {hidden}: "
+                                "pass a condition vector made for this model")  # fmt: skip
+        layers = tuple(L + n_layers if n_layers is not None and L < 0 else L for L in c.layers)
+        for L, given in zip(layers, c.layers):
+            if n_layers is not None and not 0 <= L < n_layers:
+                raise SteeringError(f"{name}.layers: {given} is out of range for a model with {n_layers} layers (use 0..{n_layers - 1})")
+            if n_layers is not None and L > layer:
+                raise SteeringError(
+                    f"{name}.layers: {given} comes after the steered layer {layer}: the prompt reaches the steered "
+                    f"layer before the condition is known; use condition layers <= {layer}"
+                )
+        conditions.append(c.model_copy(update={"layers": layers}) if layers != c.layers else c)
+    return gate.model_copy(update={"conditions": tuple(conditions)})
 
 
 NO_STEERING = Steering()

@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .hooks import POSITIONS, Capture, Hook, HookContext, Rows
+from .hooks.condition import WhenFired, gated
 from .load import model_shape
 from .spec import HEAD_SITES, Steering, SteeringError, head_shape, unit
 
@@ -40,6 +41,8 @@ __all__ = ["OPS", "Ablate", "Add", "Clamp", "OnHead", "OnRows", "Replace", "Stee
 # 5 stories x 4 endings): the spread of an ending's log-likelihood across stories is 3.04 nats unsteered, 0.11
 # at 10x, 0.011 at 100x and 0 at 1e30x (each document then gets the same four numbers), falling as 1/ratio.
 SWAMPED = 10.0
+CONDITION_GROUPS = ("condition: conditional steering runs on single workers only for now (a group's ranks would have "
+                    "to pass each row's decision along): drop --group-size")  # fmt: skip
 
 
 def _at(positions: str, x: mx.array, ctx: HookContext, new: mx.array) -> mx.array:
@@ -212,7 +215,8 @@ def hooks_for(steering: Steering | None, n_layers: int, hidden: int, look: bool 
     on its first forward, steering that swamps the residual stream or overflows its dtype (one sync each).
     `heads`: the model's (attention heads, head_dim), which attn_head interventions are checked against."""
     out: list[tuple[str, Hook]] = []
-    for i, iv in enumerate(steering.resolve(n_layers, hidden, heads).interventions if steering else ()):
+    resolved = steering.resolve(n_layers, hidden, heads).interventions if steering else ()
+    for i, iv in enumerate(resolved):
         if iv.normalize and not any(iv.vector):
             raise SteeringError(f"interventions[{i}].vector: all zeros: pass a nonzero vector or normalize=false")
         head = f" head {iv.head}" if iv.head is not None else ""
@@ -222,7 +226,7 @@ def hooks_for(steering: Steering | None, n_layers: int, hidden: int, look: bool 
         except SteeringError as e:
             raise SteeringError(f"interventions[{i}].{e}") from None
         out.append((f"{iv.site}.{iv.layer}", OnHead(op, iv.head, heads[0]) if iv.site in HEAD_SITES else op))
-    return out
+    return gated(out, [iv.condition for iv in resolved])[0]  # conditional ones (CAST): worker.hooks.condition
 
 
 def hidden_size(lm) -> int:
@@ -237,11 +241,12 @@ def hidden_size(lm) -> int:
 
 
 @contextlib.contextmanager
-def steered(lm, steering: Steering | None, notes: list[str] | None = None) -> Iterator[None]:
+def steered(lm, steering: Steering | None, notes: list[str] | None = None, fired: dict[int, bool] | None = None) -> Iterator[None]:
     """Install `steering`'s hooks on `lm` (a worker.load.LoadedModel) for the block; remove exactly them.
 
     No interventions install nothing: the model stays bitwise the plain one. The ops' notes (steering that
-    swamps the residual stream or overflows its dtype) are appended to `notes` when the block ends.
+    swamps the residual stream or overflows its dtype) are appended to `notes` when the block ends, and
+    `fired` gets, for conditional steering, {request index: whether any conditional intervention fired on it}.
     """
     if not steering:
         yield
@@ -249,8 +254,14 @@ def steered(lm, steering: Steering | None, notes: list[str] | None = None) -> It
     heads = head_shape(lm.config)
     if getattr(lm.grouping, "split", None) == "tensor" and any(iv.site in HEAD_SITES for iv in steering.interventions):
         raise SteeringError("attn_head: a tensor-split group holds each head on one rank only: use --split pipeline")
+    if getattr(lm.grouping, "size", 1) > 1 and steering.conditional:
+        raise SteeringError(CONDITION_GROUPS)
     hooks = hooks_for(steering, lm.n_layers, hidden_size(lm), look=notes is not None, heads=heads)
     with lm.hooks.installed(hooks):
         yield
     if notes is not None:
-        notes.extend(op.note for _, op in hooks if op.note)
+        notes.extend(op.note for _, op in hooks if getattr(op, "note", None))
+    if fired is not None:
+        for gate in (op.gate for _, op in hooks if isinstance(op, WhenFired)):
+            for i, flag in gate.by_request().items():
+                fired[i] = fired.get(i, False) or flag

@@ -107,6 +107,9 @@ def _finite(x: Any) -> bool:
 def usable(kind: str | None, value: Any) -> bool:
     """Whether a stored value is a result of `kind` as the workers return it: loglikelihood [finite float, bool],
     generate a text, capture finite numbers (nested lists); None: anything JSON."""
+    conditional = {"loglikelihood": 3, "generate": 2}.get(kind)  # conditional steering: the result, then "fired"
+    if isinstance(value, list) and len(value) == conditional and isinstance(value[-1], bool):
+        value = value[:-1] if kind == "loglikelihood" else value[0]
     if kind == "loglikelihood":
         return isinstance(value, list) and len(value) == 2 and _finite(value[0]) and isinstance(value[1], bool)
     if kind == "generate":

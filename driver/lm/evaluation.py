@@ -167,6 +167,14 @@ def results_name(model: str, steering: dict | None = None) -> str:
     return name + (f"+steer-{steering['key'][:12]}" if steering else "")
 
 
+def condition_text(gate) -> str:
+    """'cos>0.1 at L2' (CAST's similarity against its threshold), joined by 'or' / 'and'."""
+    sign = {"greater": ">", "smaller": "<"}
+    parts = [f"cos{sign[c.compare]}{c.threshold:g} at L{','.join(map(str, c.layers))}" + (" (last)" if c.pool == "last" else "")
+             for c in gate.conditions]  # fmt: skip
+    return f" {'or' if gate.rule == 'any' else 'and'} ".join(parts)
+
+
 def steered_line(lm) -> str | None:
     """'steered by SPEC (key ...): L3 resid_post add α=4, ...' for a steered model; None for an unsteered one."""
     record = lm.steering_record
@@ -174,7 +182,7 @@ def steered_line(lm) -> str | None:
         return None
     parts = [f"L{i.layer} {i.site}{'' if i.head is None else f'.{i.head}'} {i.op}"
              + ("" if i.op == "ablate" else f" α={i.alpha:g}") + ("" if i.positions == "all" else f" ({i.positions})")
-             for i in lm.steering.interventions]  # fmt: skip
+             + (f" if {condition_text(i.condition)}" if i.condition else "") for i in lm.steering.interventions]  # fmt: skip
     source = record.get("source") or "an inline spec"
     return f"steered by {source} (key {record['key'][:12]}): {', '.join(parts)}"
 
@@ -194,6 +202,7 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     # HF's sampling draws from torch's generator, which lm-eval seeds with torch_random_seed: ours takes that seed
     lm.sampling_seed = plan.seeds.get("torch_random_seed")
     tracker = EvaluationTracker(output_path=output_path)
+    lm.fire_counts.clear()
     try:
         results = lm_eval.simple_evaluate(
             model=lm,
@@ -217,6 +226,8 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
     except ConnectionError as e:  # `datasets` cannot fetch a task's data (offline, or the Hub unreachable)
         raise click.ClickException(f"a task's dataset cannot be loaded: {e}: {dataset_hint(e)}") from None
     results["config"]["model"] = "mlx-ray"
+    if lm.steering and lm.steering.conditional:  # how many rows the condition steered, per task (table and JSON)
+        lm.fire_counts.into(results)
     tracker.general_config_tracker.model_name_sanitized = results_name(str(model_args["pretrained"]), lm.steering_record)
     return Evaluation(results, lm.executor.info(), tracker, steered_line(lm))
 

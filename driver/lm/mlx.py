@@ -27,6 +27,7 @@ from driver.lm.finite import check_scores, finite_generation
 from driver.lm.local import Executor, LocalExecutor
 from driver.lm.stream import pieces, spot_checks
 from driver.lm.tokenize import Plan, empty_context, iter_encode_pairs, make_plan
+from driver.steering.conditions import FireCounts
 
 TokenPair = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -66,6 +67,7 @@ class OrchardLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.sampling_seed: int | None = None  # the run's seed for sampled generation (set by driver.lm.evaluation)
         self._token_plan: Plan | None = None  # what driver.lm.tokenize proved for this tokenizer (on first use)
+        self.fire_counts = FireCounts()  # conditional steering: rows fired per task (driver.lm.evaluation reports them)
         self.steering, self.steering_record = model_setup.model_steering(steer, files.config, self.spec.dtype)
         self.identity = model_setup.model_identity(self.spec, files.folder, self._max_length)
         self.executor: Executor = self.make_executor(self.spec, self.batching)
@@ -146,6 +148,7 @@ class OrchardLM(TemplateLM):
             bar.close()
 
         results = self.executor.run(self.job("loglikelihood"), encoded(), total=len(pairs))
+        results = self.fire_counts.take("loglikelihood", requests, results, self.steering)
         check_scores(requests, results, self.steering)
         for args, answer in zip(pairs, results):
             self.cache_hook.add_partial("loglikelihood", args, answer)
@@ -178,7 +181,7 @@ class OrchardLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         pairs = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
-        results = self.executor.run(self.job("loglikelihood"), pairs)
+        results = self.fire_counts.take("loglikelihood", pairs, self.executor.run(self.job("loglikelihood"), pairs), self.steering)
         check_scores(pairs, results, self.steering)
         for (key, _, _), answer in zip(requests, results):
             if key is not None:
@@ -201,7 +204,8 @@ class OrchardLM(TemplateLM):
                 windows.append((tuple(ctx), tuple(cont)))
                 owners.append(n)
         totals = [0.0] * len(requests)
-        for n, (logprob, _) in zip(owners, self.executor.run(self.job("loglikelihood"), windows)):
+        scores = self.fire_counts.take("loglikelihood", requests, self.executor.run(self.job("loglikelihood"), windows), self.steering, owners)
+        for n, (logprob, _) in zip(owners, scores):
             totals[n] += logprob
         check_scores(requests, totals, self.steering)
         for r, total in zip(requests, totals):
@@ -214,7 +218,7 @@ class OrchardLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         gen_requests = [self.generation_request(*r, self.sampling_seed) for r in generation.occurrences(requests)]
         with finite_generation(requests, self.steering):
-            outputs = self.executor.run(self.job("generate"), gen_requests)
+            outputs = self.fire_counts.take("generate", requests, self.executor.run(self.job("generate"), gen_requests), self.steering)
         for r, text in zip(requests, outputs):
             self.cache_hook.add_partial("generate_until", r.args, text)
         return outputs

@@ -74,6 +74,45 @@ VectorField = Annotated[
 ]
 
 
+class ConditionSpec(BaseModel):
+    """CAST's condition as written: steer a row only when its prompt's pooled input of `layers` passes
+    (`worker.spec.Condition` says the rule); `vector` is written as an intervention's is."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vector: VectorField
+    layers: tuple[StrictInt, ...] = Field(min_length=1)
+    threshold: float = Field(strict=True, allow_inf_nan=False)
+    compare: Literal["greater", "smaller"] = "greater"
+    pool: Literal["mean", "last"] = "mean"
+
+    @field_validator("vector", mode="before")
+    @classmethod
+    def _path(cls, v: Any) -> Any:
+        return _fspath(v)
+
+
+class AnyOf(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    any: tuple[ConditionSpec, ...] = Field(min_length=1)
+
+
+class AllOf(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    all: tuple[ConditionSpec, ...] = Field(min_length=1)
+
+
+def _condition_form(v: Any) -> str:
+    keys = v.keys() if isinstance(v, Mapping) else type(v).model_fields if isinstance(v, BaseModel) else ()
+    return "any" if "any" in keys else "all" if "all" in keys else "one"
+
+
+ConditionField = Annotated[
+    Union[Annotated[ConditionSpec, Tag("one")], Annotated[AnyOf, Tag("any")], Annotated[AllOf, Tag("all")]],
+    Discriminator(_condition_form),
+]
+
+
 class InterventionSpec(BaseModel):
     """One intervention as written; see `worker.spec.Intervention` for what each op does."""
 
@@ -87,6 +126,7 @@ class InterventionSpec(BaseModel):
     alpha: float = Field(default=1.0, strict=True, allow_inf_nan=False)
     positions: Literal["all", "prompt", "continuation", "last"] = "all"
     normalize: StrictBool = False
+    condition: ConditionField | None = None  # CAST: steer only the rows whose prompt passes it
 
     @field_validator("vector", mode="before")
     @classmethod
@@ -102,7 +142,7 @@ class SpecFile(BaseModel):
     interventions: tuple[InterventionSpec, ...]
 
 
-_ALLOWED = {"site": SITES, "op": OPS, "positions": POSITIONS}
+_ALLOWED = {"site": SITES, "op": OPS, "positions": POSITIONS, "compare": ("greater", "smaller"), "pool": ("mean", "last")}
 
 
 # --- pydantic errors as one-liners ---------------------------------------------------------------
@@ -113,13 +153,14 @@ def _field_path(loc: tuple) -> str:
     for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not (i > 0 and loc[i - 1] == "vector" and part in ("path", "ref", "sae")):  # union tags
+        elif not (i > 0 and loc[i - 1] in ("vector", "condition") and part in ("path", "ref", "sae", "one", "any", "all")):  # union tags
             out += f".{part}" if out else str(part)
     return out
 
 
 def _unknown_field(loc: tuple) -> str:
     model = SpecFile if len(loc) == 1 else (SaeRef if "sae" in loc else VectorRef) if "vector" in loc else InterventionSpec
+    model = ConditionSpec if "condition" in loc and "vector" not in loc and len(loc) > 3 else model
     allowed = list(model.model_fields)
     near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
     hint = f"did you mean '{near[0]}'? " if near else ""
@@ -138,6 +179,8 @@ def _explain(err: dict) -> str:
         return "has no value: list the interventions under it, or write `interventions: []` for an unsteered run"
     if kind == "extra_forbidden":
         return _unknown_field(loc)
+    if kind == "too_short" and name == "layers":
+        return "is empty: name the layers whose input the condition reads, e.g. layers: [2]"
     if kind == "literal_error":
         return f"{short(value)} is not allowed (use one of: {', '.join(_ALLOWED.get(name, ()))})"
     if kind == "vector_form":

@@ -44,6 +44,7 @@ from worker.load import model_shape
 from worker.spec import (FLOAT_MAX, HEAD_SITES, Intervention, Steering, SteeringError, head_problem, head_shape, site_missing,
                          overflow, steering_overflow)  # fmt: skip
 
+from driver.steering.conditions import load_gate
 from driver.steering.schema import InterventionSpec, SaeRef, SpecFile, VectorRef, spec_error, validate_spec
 from driver.steering.userfiles import load_yaml, read_npy, yaml_problem
 
@@ -307,9 +308,11 @@ def load_steering(
             raise spec_error(where, f"interventions[{i}].head", head_problem(iv.site, iv.head))
         vector, entry = _load_vector(iv, f"interventions[{i}].vector", base, where, memo, n_layers, hidden)
         _in_dtype(iv, vector, dtype, lambda field, problem: spec_error(where, f"interventions[{i}]{field}", problem))
-        fields = iv.model_dump(exclude={"vector"})
+        fields = iv.model_dump(exclude={"vector", "condition"})
         fields["alpha"] = iv.alpha + (entry.get("b_dec_projection") or 0.0)  # clamp about an SAE's b_dec
-        interventions.append(Intervention(**fields, vector=tuple(vector.tolist())))
+        gate, conditions = load_gate(iv, f"interventions[{i}]", _load_vector, base, where, memo)
+        entry = {**entry, "conditions": conditions} if gate else entry
+        interventions.append(Intervention(**fields, vector=tuple(vector.tolist()), condition=gate))
         vectors.append(entry)
     record = {
         "source": str(origin.absolute()) if origin else None,

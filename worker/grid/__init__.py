@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..load import LoadedModel
-from ..spec import Batching, Steering
+from ..spec import Batching, Steering, SteeringError
 from .generation import grid_generate
 from .loglikelihood import GRID_BLOCK, grid_loglikelihood
 from .passes import shares_lower, split_point
@@ -60,6 +60,8 @@ def run_grid(
     """Results per request per configuration ([request][configuration]); identical configurations run once."""
     if kind not in KINDS:
         raise ValueError(f"a grid runs {' or '.join(KINDS)} work, not {kind!r}")
+    if any(s.conditional for s in steerings):  # its probes need every row's whole prompt, which a grid shares
+        raise SteeringError("a grid of configurations cannot hold conditional steering yet: run each as its own job")
     configs, owner = distinct(steerings)
     kernel = grid_loglikelihood if kind == "loglikelihood" else grid_generate
     out = kernel(lm, configs, requests, batching)

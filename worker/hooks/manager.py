@@ -25,7 +25,9 @@ class Rows:
     ends: one past the last real index per row; None means every position of the forward is real.
     prompt_ends: one past the last prompt index per row; None means the whole row is prompt.
     configs: which of the configurations decoding side by side each row runs under (worker.steer.OnRows);
-        None when one configuration's hooks act on every row.
+        None when one configuration's hooks act on every row. (A conditional job's generation runs row b under
+        "configuration" = its request index: worker.hooks.condition keeps each row's decision by it.)
+    requests: per row, the job's request indices it answers (loglikelihood rows); None when not told.
     """
 
     offset: int = 0
@@ -33,6 +35,7 @@ class Rows:
     ends: mx.array | None = None
     prompt_ends: mx.array | None = None
     configs: mx.array | None = None
+    requests: tuple[tuple[int, ...], ...] | None = None
 
     def mask(self, positions: str, batch: int, length: int) -> mx.array:
         """Boolean [B, S] mask of the forward's positions selected by `positions`."""
