@@ -37,3 +37,14 @@ def test_lm_evals_context_bar_names_its_task(tasks_dir, capsys):
     err = capsys.readouterr().err
     assert "orchard_mc contexts: 100%" in err, err
     assert len(task.instances) > 0
+
+
+def test_orchards_bar_is_labelled_from_its_first_line(capsys):
+    from driver.lm.progress import Progress
+
+    bar = Progress(["w0@a"])
+    bar.expect(4, 0, "loglikelihood")  # the bar's first line is drawn here, at 0%
+    first = capsys.readouterr().err
+    bar.advance(0, 4)
+    bar.close()
+    assert first.strip() and all(part.startswith("loglikelihood on 1 worker") for part in first.split("\r") if part.strip()), repr(first)
