@@ -16,6 +16,9 @@ same token ids, greedy, a fixed number of new tokens:
                            (the per-model prefix store emptied first: a task's first chunk)
   ..., prefixes stored     the same with the store holding the exemplars' KV (a later chunk of the task)
 
+An attn_head row (head 0 of layer 1 steered at every position): a first chunk vs a later one finding the
+exemplars' KV stored under that steering (worker.prefix_cache keys a head's op by its head).
+
 A sweep row: --sweep-configs configurations (add at each layer in turn, random vectors and alphas) x
 --sweep-prompts documents (half from each subject), one grid job (worker.jobs.run, Job(kind="generate",
 grid=...)), steering at `positions: all` (each configuration runs its own blocks from its layer up on the prompts,
@@ -152,6 +155,43 @@ def variants(lm, plain, tokenizer, reqs, batch_size: int, stored: dict | None = 
     return {name: peak(name, f) for name, f in rows.items()}
 
 
+def head_rows(lm, reqs, batch_size: int) -> dict:
+    """An attn_head run's rows (head 0 of layer 1, `positions: all`, a random vector, alpha 4): the store emptied
+    first (a task's first chunk) vs holding the exemplars' KV stored under that steering (a later chunk). Until the
+    store knew a head's op (issue 29.6) it stayed empty under one, and both rows computed every prefix."""
+    import numpy as np
+
+    from worker.generate import generate_tokens
+    from worker.prefix_cache import store
+    from worker.spec import Intervention, Steering, head_shape
+    from worker.steer import steered
+
+    vec = tuple(np.random.default_rng(0).standard_normal(head_shape(lm.config)[1]).tolist())
+    spec = Steering(interventions=(Intervention(layer=min(1, lm.n_layers - 1), site="attn_head", head=0, vector=vec, alpha=4.0),))
+
+    def steered_run():
+        with steered(lm, spec):
+            return generate_tokens(lm, reqs, batch_size=batch_size)
+
+    store(lm).clear()
+    steered_run()  # a first chunk: what it stores, a later chunk finds
+    entries = dict(store(lm).entries)
+
+    def row(name: str, stored: dict):
+        def go():
+            s = store(lm)
+            s.clear()
+            for key, (cache, size) in stored.items():
+                s.entries[key] = (cache, size)
+                s.nbytes += size
+            out = steered_run()
+            HEAD_STORE[name] = f"store: {len(s.entries)} entries, {s.reused} prefix tokens reused, {max(s.peak, s.nbytes) / 2**20:.1f} MiB held"
+            return out
+        return name, go
+
+    return dict([row("head-steered, store emptied", {}), row("head-steered, prefixes stored", entries)])
+
+
 def sweep_rows(lm, reqs, configs: int, batch_size: int) -> dict:
     """The sweep's timed rows: one grid job each, the prefix store emptied first. `positions: all` at every layer
     in turn, and `continuation`; then every configuration at resid_pre of the last layer (its blocks below shared:
@@ -213,6 +253,7 @@ PEAKS: dict[str, int] = {}  # peak MLX memory per row (bytes)
 SWEEP_STORE: dict[str, int] = {}  # the prefix store's peak bytes per sweep row
 SWEEP_GFLOP: dict[str, float] = {}  # each sweep row's arithmetic (sweep_gflop)
 STORE_PEAK = [0]  # the prefix store's peak bytes over the timed runs
+HEAD_STORE: dict[str, str] = {}  # the prefix store after each attn_head row's last run
 
 
 def kv_report(lm, reqs, batch_size: int) -> str:
@@ -336,6 +377,7 @@ def main(argv=None) -> int:
         PEAKS.clear()
         times, outs = bs.interleave(rows, args.repeat)
         stats = store(lm).stats()
+        head_times, head_outs = bs.interleave(head_rows(lm, reqs, args.batch_size), args.repeat)
         half = args.sweep_prompts // 2
         sweep = [*reqs[:half], *reqs[args.docs : args.docs + half]]
         sweep_times = bs.interleave(sweep_rows(lm, sweep, args.sweep_configs, args.batch_size), args.repeat)[0] if args.sweep_configs else {}
@@ -355,6 +397,11 @@ def main(argv=None) -> int:
     bs.table("Prefix sharing on vs off (speed-up vs no sharing)", "doc",
              [row(1), row(2, VS_NO_SHARING, off, " with no sharing"), row(3, VS_NO_SHARING, off, " with no sharing")],
              speedup=True)
+    heads = list(head_times)
+    bs.table("An attn_head run (head 0 of layer 1, all positions): prefixes stored vs a first chunk", "doc",
+             [{"name": h, "times": head_times[h], "n": n, "target": None,
+               "extra": HEAD_STORE[h] + ("; " + agreement(head_outs[h], head_outs[heads[0]]) + " with the first chunk" if i else "")}
+              for i, h in enumerate(heads)], speedup=True)
     if sweep_times:
         sweep_tables(sweep_times, args.sweep_configs * len(sweep), f"{args.sweep_configs} configurations x {len(sweep)} documents")
     print(f"\nprefix store: {stats['entries']} entries after the last run; peak {STORE_PEAK[0] / 2**20:.1f} MiB over the "

@@ -2,16 +2,15 @@
 
 Everything that can be wrong with an address is found before `ray.init` (which otherwise retries for ~20 s and
 prints a warning a second): its syntax (named as `--address` or `RAY_ADDRESS`, wherever it came from), whether
-anything listens there, and whether the cluster takes this driver's token. `auto` means the cluster that
-`ray start` started on this machine (the one `ray status` shows), never another process's embedded session.
+anything listens there, and whether the cluster takes this driver's token. `auto` means the cluster `ray start`
+started on this machine (the one `ray status` shows), never another process's embedded session.
 
 Token authentication (Ray >= 2.5x turns it on by default): a cluster started with `RAY_AUTH_MODE=token`, or by
 `ray start` while a token exists (`~/.ray/auth_token`, which every embedded `ray.init` creates), refuses a driver
 that does not send its token. A driver sends one only with `RAY_AUTH_MODE=token`, taken from `RAY_AUTH_TOKEN`,
 else the file `RAY_AUTH_TOKEN_PATH`, else `~/.ray/auth_token` (`ray get-auth-token` on the head prints it). For an
 explicit address Ray never enables that by itself (a token is not sent to whatever address is typed); for `auto`
-(a cluster on this machine) it does when a token exists, and so does Orchard.
-"""
+(a cluster on this machine) it does when a token exists, and so does Orchard."""
 
 from __future__ import annotations
 
@@ -333,8 +332,8 @@ def describe(address: str | None) -> str:
 
 
 def _init(ray, **kwargs) -> None:
-    """ray.init, but a process with its own SIGTERM handling (driver: the same as Ctrl-C) keeps it: Ray would
-    install an immediate exit, behind a C++ handler that prints a stack dump."""
+    """ray.init whole: Ctrl-C or SIGTERM waits for it (cut, it swallowed them, held `logging`'s lock: a hang, or left
+    its processes), then Ray shuts down and they act. The process's own SIGTERM handler (driver: Ctrl-C's) stays."""
     import signal
 
     import ray._private.utils as ray_utils
@@ -344,10 +343,13 @@ def _init(ray, **kwargs) -> None:
         return ray.init(**kwargs)
     own, ray_utils.set_sigterm_handler = ray_utils.set_sigterm_handler, lambda _: None
     try:
-        ray.init(**kwargs)
+        with signals_held():  # which sets SIGTERM's handler back as it leaves
+            ray.init(**kwargs)
+    except BaseException:  # the held interrupt (or ray.init's own error): nothing of this Ray stays
+        Connection(LOCAL, embedded=True).close()  # (joined to a cluster: only this process's connection ends)
+        raise
     finally:
         ray_utils.set_sigterm_handler = own
-        signal.signal(signal.SIGTERM, handler)
 
 
 def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bool = False) -> Connection:

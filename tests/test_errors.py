@@ -842,12 +842,12 @@ def test_a_worker_killed_for_memory_while_loading_is_one_line(world: World):
 
 
 def test_a_tasks_dataset_missing_offline_is_one_line(world: World):
-    """Found when lm-eval builds the task (after Ray starts: the workers load meanwhile), said in one line."""
+    """Found before Ray from the task's YAML (driver.checks.datasets), said in one line."""
     folder = world.tmp / "dataset_offline"
     _file(folder / "yamls" / "hubtask.yaml", "task: orchard_hub_task\ndataset_path: orchard-test/not-cached\n"
           "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: 0\ndoc_to_choice: ['a', 'b']\n")  # fmt: skip
     proc, _ = driver("run", "--model", world.model, "--tasks", "orchard_hub_task", "--include-path", folder / "yamls",
                      "--workers", "1", "--output-path", folder / "out", env=world.env, cwd=folder)  # fmt: skip
-    line = assert_one_line_error(proc, 1, "a task's dataset cannot be loaded: ")
-    assert "orchard-test/not-cached" in line and "HF_DATASETS_CACHE" in line
+    line = assert_one_line_error(proc, 1, "--tasks: task orchard_hub_task's dataset orchard-test/not-cached is not in the datasets cache")
+    assert "HF_DATASETS_CACHE" in line and "starting Ray" not in proc.stderr
     assert not (folder / "out").exists() or not any((folder / "out").rglob("results_*.json"))

@@ -4,7 +4,7 @@ An entry is the batch-1 KV cache of a token prefix, computed by worker.score's `
 installed at the time. It lives on the loaded model object (one per worker), so the model's identity is part of
 every key and the store goes with the model. Its key is the prefix's tokens and a fingerprint of every
 installed hook that can touch a prefix position: steering ops by kind, alpha, positions and vector bytes, at
-their hook point, in order. Ops at `continuation` or `last` positions never touch a prefix (the prefix pass has
+their hook point (and head, for one head's op), in order. Ops at `continuation` or `last` positions never touch a prefix (the prefix pass has
 no continuation and none of its positions is a row's last), so configurations that differ only there share
 entries. Any other hook (a capture, a custom callable) turns the store off for that call: never a wrong hit.
 
@@ -129,17 +129,19 @@ def use_budget(lm: Any, nbytes: int) -> None:
 
 def fingerprint(hooks: Any) -> str | None:
     """A digest of the installed hooks that can change a prefix's KV; None if some hook is not a known op."""
-    from .steer import _Op
+    from .steer import OnHead, _Op
 
     parts = []
     for name, fns in sorted(hooks._hooks.items()):  # the manager's registry: hook point -> hooks, in order
         for fn in fns:
+            # One head's op is its op on that head's columns: known, keyed by the head too (attn_head.L.h).
+            at, fn = (f"{name}.{fn.head}", fn.op) if isinstance(fn, OnHead) else (name, fn)
             if not isinstance(fn, _Op):
                 return None
             if fn.positions in _BLIND:
                 continue
             vec = hashlib.sha256(np.asarray(fn.vector, dtype=np.float32).tobytes()).hexdigest()
-            parts.append(f"{name}:{type(fn).__name__}:{fn.alpha!r}:{fn.positions}:{vec}")
+            parts.append(f"{at}:{type(fn).__name__}:{fn.alpha!r}:{fn.positions}:{vec}")
     return "|".join(parts)
 
 

@@ -88,6 +88,11 @@ def include_names(folder: Path, flag: str = "--include-path") -> set[str]:
 def scan_task_names(root: Path) -> set[str]:
     """lm-eval's index of a folder, names only: every YAML parsed once (C loader, includes remembered), files
     lm-eval would skip skipped. ~3x faster than building a TaskManager; the same names (lm-eval 0.4.13: 14,683)."""
+    return set(scan_task_files(root))
+
+
+def scan_task_files(root: Path) -> dict[str, list[str]]:
+    """{name: the YAML files defining it} of a folder (a tag's: every task carrying it), as scan_task_names reads."""
     import yaml
 
     memo: dict[Path, dict | None] = {}
@@ -113,11 +118,12 @@ def scan_task_names(root: Path) -> set[str]:
         memo[path] = cfg if isinstance(cfg, dict) else None
         return memo[path]
 
-    names: set[str] = set()
+    files: dict[str, list[str]] = {}
     for path in _yaml_files(root):
         cfg = load(path)
-        names.update(_names_of(cfg) if cfg else ())
-    return names
+        for name in _names_of(cfg) if cfg else ():
+            files.setdefault(name, []).append(str(path))
+    return files
 
 
 def _orchard_home() -> Path:
@@ -139,24 +145,29 @@ def _lm_eval_tasks() -> tuple[Path, dict]:
 
 def default_task_names() -> set[str]:
     """lm-eval's own task/group/tag names: remembered per lm-eval install, else scanned (and remembered)."""
+    return set(default_task_files())
+
+
+def default_task_files() -> dict[str, list[str]]:
+    """{lm-eval's own task/group/tag name: its YAML files}: remembered per lm-eval install, else scanned."""
     root, key = _lm_eval_tasks()
     memo = _orchard_home() / _TASK_NAMES_FILE
     try:
         saved = json.loads(memo.read_text())
-        if isinstance(saved, dict) and saved.get("key") == key:
-            return set(saved["names"])
+        if isinstance(saved, dict) and saved.get("key") == key and isinstance(saved.get("files"), dict):
+            return saved["files"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    names = scan_task_names(root)
+    files = scan_task_files(root)
     try:  # a cache: never worth failing a run for
         memo.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=memo.parent, prefix=".task-names.", suffix=".tmp")
         with os.fdopen(fd, "w") as fh:
-            json.dump({"key": key, "names": sorted(names)}, fh)
+            json.dump({"key": key, "names": sorted(files), "files": files}, fh)
         os.replace(tmp, memo)
     except OSError:
         pass
-    return names
+    return files
 
 
 def task_names(tasks: str) -> list[str]:

@@ -20,6 +20,7 @@ from driver.checks.files import check_cache, writable_folder
 from driver.checks.groups import for_command, tell_chosen
 from driver.checks.model import (check_generation_room, check_heads_split, check_model, check_steering, check_tokenizer,
                                  model_config)
+from driver.checks.datasets import check_datasets
 from driver.checks.tasks import check_tasks, task_manager
 from driver.cli.errors import resumable, usage_errors
 from driver.lm.evaluation import DATASET_HINT, Plan, evaluate, open_model, parse_seeds, save
@@ -193,6 +194,7 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
     folder = check_model(model, extra.get("revision"), extra.get("adapter_path"))
     check_tokenizer(folder, apply_chat_template)
     names = check_tasks(tasks, include_path)
+    check_datasets(names, include_path)  # on disk, or the Hub reachable: else one line now, not retries after Ray
     check_generation_room(model_config(folder), generation[0], extra, generation[1])  # max_length, gen_kwargs
     steering = check_steering(steer, model_config(folder), extra.get("dtype")) if steer else None
     check_address(address)

@@ -4,28 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 
-
-OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-
-
-def dataset_hint(error: object = "") -> str:
-    """What would let a task's dataset load, for this case: the datasets cache (a prepared MMLU cache only for an
-    MMLU task), and downloads: unsetting only the offline variables that are set, else the network."""
-    said = str(error).lower()
-    where = "put the dataset in the datasets cache (HF_DATASETS_CACHE"
-    where += "; e.g. a prepared cais___mmlu folder, see README)" if "mmlu" in said else ")"
-    offline = [name for name in OFFLINE if os.environ.get(name, "").strip() not in ("", "0")]
-    if offline:
-        return f"{where}, or allow downloads (unset {' and '.join(offline)})"
-    return f"{where}, or let this machine reach the Hugging Face Hub (it could not)"
-
+from driver.checks.datasets import dataset_hint  # lm-eval's late dataset errors say what would fix them (re-exported)
 
 DATASET_HINT = dataset_hint()  # the generic words (kept for callers that know no error yet)
 

@@ -50,8 +50,9 @@ class Progress:
     def _show(self) -> None:
         if not self.names or (self.bar is None and not self.total):
             return  # no worker holds the model yet, or nothing to compute yet
-        if self.bar is None:
-            self.bar = tqdm(total=self.total, unit="req", dynamic_ncols=True)  # TQDM_DISABLE=1 silences it
+        label = f"{self.what} on {len(self.names)} {self.unit}{'s' * (len(self.names) != 1)}"
+        if self.bar is None:  # labelled from its first line on; TQDM_DISABLE=1 silences it
+            self.bar = tqdm(total=self.total, desc=label, unit="req", dynamic_ncols=True)
             self.started = time.monotonic()
         self.bar.total = self.total
         seconds = max(time.monotonic() - self.started, 1e-9)
@@ -59,7 +60,7 @@ class Progress:
         rates = [f"{name.split('@')[0]} {self.done[name] / seconds:.1f}/s {self.done[name] / total:.0%}" for name in self.names]
         parts = [self.note] if self.note else []
         parts += [f"{self.cached} cached"] if self.cached else []
-        self.bar.set_description_str(f"{self.what} on {len(self.names)} {self.unit}{'s' * (len(self.names) != 1)}", refresh=False)
+        self.bar.set_description_str(label, refresh=False)
         self.bar.set_postfix_str(" | ".join(parts + rates), refresh=False)
 
     def close(self) -> None:

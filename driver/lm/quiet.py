@@ -50,6 +50,7 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) for f in logger.filters):  # once per process
             logger.addFilter(_Drop(fragments))
+    _bars_in_place()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
 
@@ -66,10 +67,54 @@ def git_commit_hash() -> str | None:
 
 
 def quiet_lm_eval() -> None:
-    """Call after importing lm_eval: its evaluator records the git hash of the working folder, if any."""
+    """Call after importing lm_eval: its evaluator records the git hash of the working folder, if any; its
+    tasks' context bars say whose contexts they count."""
     import lm_eval.evaluator
 
     lm_eval.evaluator.get_git_commit_hash = git_commit_hash
+    _label_context_bars()
+
+
+_BUILDING = threading.local()  # the task whose contexts lm-eval is building on this thread
+
+
+def _label_context_bars() -> None:
+    """lm-eval's Task.build_all_requests counts documents on a bar without a label: 'TASK contexts' instead."""
+    import lm_eval.api.task as task
+
+    if getattr(task, "_orchard_labelled", False):
+        return
+    build, bar = task.Task.build_all_requests, task.tqdm
+
+    def build_all_requests(self, *args, **kwargs):
+        _BUILDING.name = getattr(getattr(self, "config", None), "task", None)
+        try:
+            return build(self, *args, **kwargs)
+        finally:
+            _BUILDING.name = None
+
+    def labelled(*args, **kwargs):
+        name = getattr(_BUILDING, "name", None)
+        return bar(*args, **({"desc": f"{name} contexts" if name else "contexts"} | kwargs))
+
+    task.Task.build_all_requests, task.tqdm, task._orchard_labelled = build_all_requests, labelled, True
+
+
+def _bars_in_place() -> None:
+    """Off a terminal, every bar on line 0: tqdm gives a second bar open at once (the tokenizer's beside the
+    workers') line 1, and writes cursor moves for it (a stray `ESC[A` in a log); on a terminal they are its layout."""
+    if sys.stderr.isatty():
+        return
+    import tqdm.std
+
+    if "_orchard_in_place" in tqdm.std.tqdm.__dict__:
+        return
+    init = tqdm.std.tqdm.__init__
+
+    def in_place(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "position": kwargs.get("position") or 0})
+
+    tqdm.std.tqdm.__init__, tqdm.std.tqdm._orchard_in_place = in_place, True
 
 
 # --- phases ----------------------------------------------------------------------------------------------------------

@@ -291,6 +291,17 @@ def _check_task_names(names: Sequence[str], include: str | None, where: str) -> 
             ) from None
 
 
+def _check_datasets(names: Sequence[str], include: str | None, where: str) -> None:
+    """Each task's dataset on disk or the Hub reachable (driver.checks.datasets), before lm-eval retries it."""
+    from driver.checks.datasets import check_datasets
+    from driver.checks.errors import Refused
+
+    try:
+        check_datasets(list(names), include)
+    except Refused as e:
+        raise SweepError(f"{where}: tasks.names: {str(e).removeprefix('--tasks: ')}") from None
+
+
 def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
     include = None
     if tasks.include_path is not None:
@@ -298,6 +309,7 @@ def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
         if not Path(include).is_dir():
             raise SweepError(f"{where}: tasks.include_path: {include} is not a folder of task YAMLs")
     _check_task_names(tasks.names, include, where)  # as fast as `driver run`'s check, before lm-eval's index
+    _check_datasets(tasks.names, include, where)
 
     from lm_eval.tasks import TaskManager
 
