@@ -2,7 +2,8 @@
 the last rank's loglikelihood and rolling numbers equal the unsplit model's per request (<= 1e-5) for several
 batch sizes (so several micro-batch counts), with and without prefix families, and steered at a layer on every
 rank; only the last rank holds numbers, and every rank spent time computing (worker.split.stages.CLOCK). A
-lockstep job (generate) between pipelined ones keeps its numbers: the two paths share one ring.
+lockstep job (generate on prompts sharing a prefix: worker.split.decode.pipelines) between pipelined ones keeps
+its numbers: the two paths share one ring.
 
 Models: the shipped TinyStories-260K (a llama of 5 layers: 3|2 over 2 ranks, 2|2|1 over 3) and a generated qwen2
 of 4 layers (2|2, 2|1|1): uneven layer counts on both.
@@ -58,7 +59,8 @@ def _work(name: str, size: int) -> list[tuple]:
     """(label, job, requests, batching) on one model; a lockstep generate job sits between the pipelined ones."""
     pairs = _requests()
     out = [(f"ll_{b}", Job(kind="loglikelihood"), pairs, batching) for b, batching in BATCHINGS.items()]
-    gen = [GenRequest(context=(1, 5, 9, 20), max_gen_toks=6), GenRequest(context=(1, 7, 8), max_gen_toks=4)]
+    shots = tuple(range(3, 43))  # a 40-token shared prefix: generate stays lockstep (its prefix KV runs once)
+    gen = [GenRequest(context=shots + (5, 9, 20), max_gen_toks=6), GenRequest(context=shots + (7, 8), max_gen_toks=4)]
     out.insert(2, ("generate", Job(kind="generate"), gen, Batching()))
     out.append(("steered", Job(kind="loglikelihood", steering=_steer(_firsts(name, size))), pairs, Batching(batch_size=4)))
     return out

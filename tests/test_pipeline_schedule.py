@@ -8,7 +8,7 @@ import pytest
 
 from worker.split.plan import answering_rank
 from worker.spec import Grouping
-from worker.split.schedule import Step, efficiency, rank_steps, timeline
+from worker.split.schedule import Step, decode_steps, efficiency, rank_steps, round_opening, round_steps, simulate, timeline
 
 
 @pytest.mark.parametrize("size,micros", [(2, 1), (2, 5), (3, 4), (4, 7), (8, 3)])
@@ -62,3 +62,104 @@ def test_the_last_rank_answers_a_pipeline_group_rank_0_a_tensor_one():
     assert answering_rank(Grouping(size=2, split="tensor")) == 0
     assert answering_rank(None) == 0
     assert Step("send", 0, 1) != Step("send", 0, 2)
+
+
+# --- decoding round the ring (round_opening / round_steps / decode_steps, run by worker.split.decode) -----------
+
+ROUNDS = [(2, [3]), (2, [1, 4, 2]), (3, [5, 1, 3]), (3, [2, 2, 2, 2]), (4, [6, 3, 1, 4, 2]), (5, [1])]
+
+
+def _link_messages(plans: list[list[Step]], kind: str) -> tuple[dict, dict]:
+    """Per (sender, receiver): the micro-batches sent and received, in order ("hidden": send/recv, "ids")."""
+    send, recv = ("send", "recv") if kind == "hidden" else ("send_ids", "recv_ids")
+    sent: dict = {}
+    got: dict = {}
+    for r, plan in enumerate(plans):
+        for s in plan:
+            if s.op == send:
+                sent.setdefault((r, s.peer), []).append(s.micro)
+            elif s.op == recv:
+                got.setdefault((s.peer, r), []).append(s.micro)
+    return sent, got
+
+
+@pytest.mark.parametrize("size,rounds", ROUNDS)
+def test_every_decode_send_meets_its_receive_in_the_same_order(size, rounds):
+    plans = [decode_steps(r, size, rounds) for r in range(size)]
+    for kind in ("hidden", "ids"):
+        sent, got = _link_messages(plans, kind)
+        assert sent == got
+        assert all(dst in ((src + 1) % size,) for src, dst in sent)  # ring neighbours only, K-1 -> 0 among them
+    sent, _ = _link_messages(plans, "ids")
+    assert {dst for src, dst in sent if src == size - 1} == {0}  # the new ids go from the last rank to rank 0
+
+
+@pytest.mark.parametrize("size,rounds", ROUNDS)
+def test_the_last_rank_samples_each_round_and_every_rank_runs_each_forward(size, rounds):
+    for r in range(size):
+        plan = decode_steps(r, size, rounds)
+        for m, n in enumerate(rounds):
+            assert sum(s.op == "forward" and s.micro == m for s in plan) == n
+            assert sum(s.op == "sample" and s.micro == m for s in plan) == (n if r == size - 1 else 0)
+            # the ids of every round after the prefill reach every rank but the last (the closing round's too)
+            assert sum(s.op == "recv_ids" and s.micro == m for s in plan) == (n if r < size - 1 else 0)
+    assert round_opening(0, 3, 0, first=True) == [] and round_opening(2, 3, 0, first=False) == []
+    assert round_steps(1, 3, 4, first=False, done=True) == []  # closing: rank 1 of 3 has no one to pass ids to
+    assert round_steps(0, 3, 4, first=False, done=True) == [Step("send_ids", 4, 1)]
+
+
+def _runs_to_the_end(plans: list[list[Step]], ids_wait: bool = False) -> bool:
+    """Run the plans as processes would: a hidden-state send waits until its receiver took it (a large tensor), an
+    ids send never waits (a few bytes in the socket's buffer) unless `ids_wait`; True when every rank finishes,
+    False on a deadlock."""
+    at, waiting = [0] * len(plans), [0] * len(plans)  # waiting: the number of the send this rank waits on (0: none)
+    queued: dict = {}
+    taken: dict = {}
+    moved = True
+    while moved:
+        moved = False
+        for r, plan in enumerate(plans):
+            while at[r] < len(plan):
+                s = plan[at[r]]
+                if s.peer is None:  # forward, sample: this rank's own work
+                    at[r] += 1
+                    moved = True
+                    continue
+                sender, receiver = (r, s.peer) if s.op.startswith("send") else (s.peer, r)
+                link = (s.op.removeprefix("send").removeprefix("recv"), sender, receiver)  # "" (hidden) or "_ids"
+                box = queued.setdefault(link, [])
+                if s.op.startswith("recv"):
+                    if not box:
+                        break
+                    assert box.pop(0) == s.micro
+                    taken[link] = taken.get(link, 0) + 1
+                elif s.op == "send_ids" and not ids_wait:
+                    box.append(s.micro)
+                elif not waiting[r]:
+                    box.append(s.micro)
+                    waiting[r] = taken.get(link, 0) + len(box)  # taken once the receiver took every send before it
+                    moved = True
+                    break
+                else:
+                    if taken.get(link, 0) < waiting[r]:
+                        break
+                    waiting[r] = 0
+                at[r] += 1
+                moved = True
+    return all(a == len(p) for a, p in zip(at, plans))
+
+
+@pytest.mark.parametrize("size,rounds", ROUNDS)
+def test_the_decode_plan_cannot_deadlock_with_blocking_sends(size, rounds):
+    assert _runs_to_the_end([decode_steps(r, size, rounds) for r in range(size)])
+    if len(rounds) > 1:  # why the ids must be a few bytes: rank 0 sending m + 1 and the last rank m's ids wait on each other
+        assert not _runs_to_the_end([decode_steps(r, size, rounds) for r in range(size)], ids_wait=True)
+
+
+def test_simulate_is_the_scoring_pipe_for_one_round_and_fills_the_ring_with_k_micro_batches():
+    for size, micros in [(2, 1), (3, 4), (4, 7)]:
+        assert simulate([1.0] * size, 0.0, micros) == pytest.approx(efficiency(size, micros))
+    assert simulate([1.0] * 3, 0.0, 3, rounds=200) > 0.98  # M = K: every stage busy once the ring is full
+    assert simulate([1.0] * 3, 0.0, 1, rounds=200) == pytest.approx(1 / 3, rel=0.02)  # one micro-batch: one stage at a time
+    assert simulate([1.0] * 2, 0.5, 2, rounds=200) < simulate([1.0] * 2, 0.5, 4, rounds=200)  # links want more in flight
+    assert simulate([1.0, 2.0], 0.0, 4, rounds=100) == pytest.approx(0.75, rel=0.02)  # the slow stage sets the pace

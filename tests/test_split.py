@@ -129,8 +129,12 @@ def test_loglikelihood_equals_unsplit(ring, unsplit, name, label):
 @pytest.mark.parametrize("label", ["generate", "steered_generate", "family_generate", "side_by_side"])
 @pytest.mark.parametrize("name", ["stories", "qwen2"])
 def test_greedy_generation_identical(ring, unsplit, name, label):
-    _, reports = ring
-    assert all(r["results"][name][label] == unsplit[name][label] for r in reports)
+    split, reports = ring
+    want = unsplit[name][label]
+    if split == "pipeline" and label in ("generate", "steered_generate"):  # pipelined (worker.split.decode): the last rank answers
+        assert all(r["results"][name][label] == [None] * len(want) for r in reports[:-1])
+        reports = reports[-1:]
+    assert all(r["results"][name][label] == want for r in reports)
 
 
 @pytest.mark.parametrize("name", ["stories", "qwen2"])

@@ -6,6 +6,14 @@ receive m from the rank before (not rank 0), run this rank's layers on m, then s
 the last rank only, run the head (final norm, vocabulary head, log-softmax, the numbers a request needs).
 Transfers go to ring neighbours only and need no header: every rank cuts the same micro-batches from the job.
 No step is a collective.
+
+Decoding (`round_opening`, `round_steps`) goes round the whole ring instead: a round of a micro-batch is one
+forward of its live rows (the prefill, then one new token a round); the last rank samples and sends the new ids
+to rank 0 (its ring neighbour), which feeds them to the next round. The ids travel on from rank 0 towards the
+last rank ahead of the hidden state, one int per row of the micro-batch (-1: the row is done), so every rank
+drops the same rows and derives the next shapes from them; a round whose ids are all done closes the
+micro-batch on every rank. Every live micro-batch takes its round in turn, so with M >= K micro-batches every
+rank has work while the others run theirs.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Op = Literal["recv", "forward", "send", "head"]
+Op = Literal["recv", "forward", "send", "head", "recv_ids", "send_ids", "sample"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +55,55 @@ def timeline(size: int, micros: int) -> list[list[int | None]]:
 def efficiency(size: int, micros: int) -> float:
     """Share of stage-steps busy with equal stages (fill and drain idle): micros / (micros + size - 1)."""
     return micros / (micros + size - 1) if micros else 0.0
+
+
+def round_opening(rank: int, size: int, micro: int, *, first: bool) -> list[Step]:
+    """A decoding round's first step on `rank`: receive micro-batch `micro`'s ids (rank 0 from the last rank),
+    none in the prefill round (the rows are the prompts) and none on the last rank (it sampled them)."""
+    return [] if first or rank == size - 1 else [Step("recv_ids", micro, (rank - 1) % size)]
+
+
+def round_steps(rank: int, size: int, micro: int, *, first: bool, done: bool = False) -> list[Step]:
+    """The rest of the round on `rank`, once its ids are known: pass the ids on (ranks before the last but one;
+    not in the prefill round); then, unless the round closes the micro-batch (`done`: every row finished),
+    receive the hidden state (ranks > 0), run this rank's layers, and send the hidden state on, or on the last
+    rank sample the new ids and send them to rank 0."""
+    steps = [] if first or rank >= size - 2 else [Step("send_ids", micro, rank + 1)]
+    if done:
+        return steps
+    if rank > 0:
+        steps.append(Step("recv", micro, rank - 1))
+    steps.append(Step("forward", micro))
+    if rank < size - 1:
+        return [*steps, Step("send", micro, rank + 1)]
+    return [*steps, Step("sample", micro), Step("send_ids", micro, 0)]
+
+
+def decode_steps(rank: int, size: int, rounds: list[int]) -> list[Step]:
+    """Rank `rank`'s whole decode when micro-batch m runs `rounds[m]` forwards (then one closing round), every
+    live micro-batch taking its round in turn: what the runner (worker.split.decode) does, as a plan."""
+    steps: list[Step] = []
+    for t in range(max(rounds, default=0) + 1):
+        for m, n in enumerate(rounds):
+            if t <= n:
+                steps += round_opening(rank, size, m, first=t == 0) + round_steps(rank, size, m, first=t == 0, done=t == n)
+    return steps
+
+
+def simulate(stages: list[float], link: float, micros: int, rounds: int = 1) -> float:
+    """Efficiency of the decoding ring from per-stage compute seconds per micro-batch and one link's seconds per
+    hand-over: the ideal time (each stage's mean share of the work) over the simulated makespan. Each stage runs
+    its micro-batches in order; a micro-batch's next round starts once the last stage's ids are back at stage 0."""
+    size = len(stages)
+    free = [0.0] * size  # when each stage is next free
+    ready = [0.0] * micros  # when each micro-batch's input is at stage 0
+    for _ in range(rounds):
+        for m in range(micros):
+            t = ready[m]
+            for s in range(size):
+                t = max(t, free[s]) + stages[s]
+                free[s] = t
+                t += link
+            ready[m] = t
+    span = max(free)
+    return sum(stages) * micros * rounds / size / span if span else 0.0

@@ -69,7 +69,7 @@ def pipelined(lm: Any) -> bool:
     return group is not None and grouping is not None and grouping.split == "pipeline" and group.size() > 1
 
 
-def _timed(what: str, arrays: list) -> None:
+def timed(what: str, arrays: list) -> None:
     start = time.perf_counter()
     mx.eval(arrays)
     elapsed = time.perf_counter() - start
@@ -103,18 +103,18 @@ class _Rank:
         self.build(step.micro)
         micro, pipe = self.micros[step.micro], self.pipe
         if step.op == "recv":
-            _timed("wait", [pipe.received])
+            timed("wait", [pipe.received])
         elif step.op == "forward":
-            _timed("busy", [pipe.out if pipe.out is not None else self.hidden, *self.kept])
+            timed("busy", [pipe.out if pipe.out is not None else self.hidden, *self.kept])
         elif step.op == "send" and OVERLAP:
             self.drain()
             self.sending = mx.distributed.send(pipe.out, step.peer, group=self.group, stream=_comm_stream())
             mx.async_eval(self.sending)
         elif step.op == "send":
-            _timed("wait", [mx.distributed.send(pipe.out, step.peer, group=self.group)])
+            timed("wait", [mx.distributed.send(pipe.out, step.peer, group=self.group)])
         elif micro.head is not None:  # "head", the last rank: the numbers, read back here
             out = micro.head(self.hidden)
-            _timed("busy", [out])
+            timed("busy", [out])
             self.collect(out)
             CLOCK.micros += 1
 
@@ -122,7 +122,7 @@ class _Rank:
     def drain(self) -> None:
         """Wait for the send in flight, if any (a send nobody evaluates never happens: this one was started)."""
         if self.sending is not None:
-            _timed("wait", [self.sending])
+            timed("wait", [self.sending])
             self.sending = None
 
 
