@@ -224,3 +224,25 @@ def test_a_worker_group_is_refused_before_ray(tmp_path, spec_files, story_tasks)
     proc = inproc.driver("run", "--model", MODEL, "--tasks", "tinystories_mc", "--include-path", story_tasks, "--steer", tmp_path / "spec.yaml", "--group-size", "2",
                          "--workers", "1", "--address", "local", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2 and "conditional steering runs on single workers only" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+SHOTS = ("Once upon a time, a little cat named Tom lived in a big red house. He liked to play with a ball of yarn "
+         "all day. One day the yarn rolled under the bed, and Tom looked for it everywhere.\n\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("pool", ["mean", "last"])
+def test_a_shared_prefix_gives_what_each_whole_prompt_gives(lm, direction, pool):
+    """Few-shot rows share a long prefix: run once plain and once steered, each row's suffix decided on the way up
+    and reading the prefix its decision picks, equal to running every row's whole prompt, in a mixed batch."""
+    reqs = [(ids(lm, SHOTS + p), ids(lm, " The end.")) for p in PROMPTS]
+    assert len(ids(lm, SHOTS)) >= 40  # a family: worker.score shares prefixes of 32 tokens and more
+    threshold = between([cast_rule(lm, c, direction, C_LAYER, pool) for c, _ in reqs])
+    job = Job(kind="loglikelihood", steering=steering(direction, gate(direction, threshold, pool=pool)))
+    whole = run(lm, job, reqs, Batching(batch_size=16, prefix_reuse=False))
+    shared = run(lm, job, reqs, Batching(batch_size=16))
+    steered = run(lm, Job(kind="loglikelihood", steering=steering(direction)), reqs, Batching(batch_size=16, prefix_reuse=False))
+    assert 4 <= sum(w[2] for w in whole) <= 12  # a mixed batch
+    assert [s[2] for s in shared] == [w[2] for w in whole]
+    for w, s, st in zip(whole, shared, steered):
+        assert abs(s[0] - w[0]) <= 1e-5 and s[1] == w[1]
+        assert (abs(w[0] - st[0]) <= 1e-5) == w[2]  # the fired rows are the steered ones, the quiet ones are not

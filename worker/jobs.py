@@ -40,7 +40,8 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
         return run_grid(lm, job.kind, job.grid, requests, batching)
     notes: list[str] = []
     fired: dict[int, bool] | None = {} if job.steering.conditional else None
-    if fired is not None:  # each row decided on its whole prompt: a prefix run once would hide it from the probes
+    if fired is not None and job.kind != "loglikelihood":  # each row decided on its whole prompt; loglikelihood
+        # shares a prefix plain and steered, each row picking its own (worker.hooks.condition_share)
         batching = batching.model_copy(update={"prefix_reuse": False})
     with steered(lm, job.steering, notes, fired):
         # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as

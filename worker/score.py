@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .hooks import Rows
+from .hooks.condition_share import conditional_gates, shared_prefix
 from .spec import Batching
 from .split import stages
 
@@ -193,11 +194,22 @@ def _prefix_cache(lm, tokens: Sequence[int]) -> list | None:
     return cache
 
 
+def _family_cache(lm, tokens: Sequence[int]) -> list | None:
+    """The family's shared prefix cache; for conditional steering, plain and steered per row (None: no sharing)."""
+    gates = conditional_gates(lm.hooks)
+    if not gates:
+        return _prefix_cache(lm, tokens)
+    return shared_prefix(gates[0], lambda: _prefix_cache(lm, tokens)) if len(gates) == 1 else None
+
+
 def _broadcast(prefix_cache: list, batch: int) -> list:
     from mlx_lm.models.cache import KVCache
 
     out = []
     for c in prefix_cache:
+        if hasattr(c, "broadcast"):  # a conditional job's prefix, picked per row (worker.hooks.condition_share)
+            out.append(c.broadcast(batch))
+            continue
         k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
         fresh = KVCache()
         fresh.keys = mx.broadcast_to(k, (batch, *k.shape[1:]))
@@ -264,7 +276,7 @@ def loglikelihood(
 
     pending = None
     for fam in _families(rows, batching.prefix_reuse):
-        cache = _prefix_cache(lm, fam.rows[0].tokens[: fam.prefix]) if fam.prefix else None
+        cache = _family_cache(lm, fam.rows[0].tokens[: fam.prefix]) if fam.prefix else None
         prefix = fam.prefix if cache is not None else 0
         for batch in _batches(fam.rows, prefix, batching):
             out = _score_batch(lm, batch, prefix, cache)

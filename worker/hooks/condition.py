@@ -26,22 +26,26 @@ from ..spec import Condition, Gate as GateSpec, SteeringError
 from .manager import HookContext, Rows
 
 
-def prompt_forward(rows: Rows, length: int) -> bool:
+def prompt_forward(rows: Rows, length: int, prefix: int = 0) -> bool:
     """Whether the forward holds prompt positions, read off host facts (a device read here would stall the kernels'
-    pipelining): a conditional job shares no prefix (worker.jobs), so its prompt forwards start at position 0 and
-    every later forward is one decode step."""
-    if rows.offset > 0 and length > 1:
+    pipelining): prompt forwards start at position 0, or right after the shared prefix the probe summed
+    (worker.hooks.condition_share, loglikelihood only); every later forward is one decode step."""
+    if rows.offset > 0 and length > 1 and rows.offset != prefix:
         raise SteeringError("conditional steering met a prompt forward after a shared prefix: run it with prefix_reuse off")
-    return rows.offset == 0
+    return rows.offset == 0 or rows.offset == prefix
 
 
-def pooled(x: mx.array, rows: Rows, pool: str) -> mx.array:
-    """[B, hidden] float32: each row's prompt positions of this forward, averaged (`mean`) or its last one."""
+def pooled(x: mx.array, rows: Rows, pool: str, before: tuple[mx.array, int] | None = None) -> mx.array:
+    """[B, hidden] float32: each row's prompt positions of this forward, averaged (`mean`) or its last one.
+    `before`: (sum of the hidden states, their count) of a shared prefix this forward continues."""
     B, S = x.shape[0], x.shape[1]
     x = x.astype(mx.float32)
     if pool == "mean":
         m = rows.mask("prompt", B, S).astype(mx.float32)[..., None]
-        return mx.sum(x * m, axis=1) / mx.maximum(mx.sum(m, axis=1), 1.0)
+        total, n = mx.sum(x * m, axis=1), mx.sum(m, axis=1)
+        if before is not None:
+            total, n = total + before[0], n + before[1]
+        return total / mx.maximum(n, 1.0)
     ends = rows.prompt_ends if rows.prompt_ends is not None else (rows.ends if rows.ends is not None else mx.full((B,), rows.offset + S))
     at = mx.clip(ends - 1 - rows.offset, 0, S - 1)
     return mx.take_along_axis(x, at[:, None, None], axis=1)[:, 0, :]
@@ -67,6 +71,8 @@ class Gate:
         self._now: mx.array | None = None  # their combination, once the steered layer asked
         self._table = mx.zeros((0,), mx.bool_)  # the decision by request index, for decode forwards
         self._decided: list[tuple[Any, mx.array]] = []  # (request indices per row, fired [B]) per prompt forward
+        self.forced: bool | None = None  # a shared prefix's pass: every row fired (True) or quiet (False)
+        self.recording = False  # that pass is the one whose hidden states the probes sum (condition_share)
 
     def observe(self, k: int, fired: mx.array, rows: Rows) -> None:
         if self._rows is not rows:
@@ -75,6 +81,8 @@ class Gate:
 
     def fired(self, ctx: HookContext) -> mx.array:
         rows = ctx.rows
+        if self.forced is not None:
+            return mx.array([self.forced])
         if self._rows is rows:
             if self._now is None:
                 self._now = self._decide(rows)
@@ -83,6 +91,12 @@ class Gate:
             raise SteeringError(f"{ctx.name}: a forward past the prompt whose rows are not named (Rows.configs): "
                                 "the conditional steering cannot tell which row is which")  # fmt: skip
         return self._table[rows.configs]
+
+    def current(self) -> mx.array:
+        """[B] bool: the decision of the prompt forward now running (its probes have all run)."""
+        if self._now is None:
+            self._now = self._decide(self._rows)
+        return self._now
 
     def _decide(self, rows: Rows) -> mx.array:
         parts = [self._parts.get(k) for k in range(len(self.spec.conditions))]
@@ -122,10 +136,16 @@ class Probe:
         self.gate, self.k = gate, k
         self.condition = gate.spec.conditions[k]
         self.vector = mx.array(self.condition.vector, dtype=mx.float32)
+        self.prefix: tuple[mx.array, int] | None = None  # the last shared prefix's (sum of hidden states, length)
 
     def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
-        if prompt_forward(ctx.rows, x.shape[1]):
-            sim = similarity(pooled(x, ctx.rows, self.condition.pool), self.vector)
+        if self.gate.forced is not None:  # a shared prefix's pass (batch 1, every position real): sum it once
+            if self.gate.recording:
+                self.prefix = (mx.sum(x.astype(mx.float32), axis=1), x.shape[1])
+            return x
+        shared = self.prefix if self.prefix is not None and ctx.rows.offset == self.prefix[1] else None
+        if prompt_forward(ctx.rows, x.shape[1], shared[1] if shared else 0):
+            sim = similarity(pooled(x, ctx.rows, self.condition.pool, shared), self.vector)
             self.gate.observe(self.k, passes(sim, self.condition), ctx.rows)
         return x
 
