@@ -81,8 +81,6 @@ def test_one_group_of_two_equals_the_unsplit_model(ray_cluster, llama_path, task
     assert len({r["node_id"] for r in group["ranks"]}) == 2  # STRICT_SPREAD: one rank per node
     if split == "pipeline":
         assert [r["layers"] for r in group["ranks"]] == [[0, 1], [1, 2]]  # each rank holds its own layers
-        # every rank of a pipelined job tells its seconds computing and waiting (issue 26: per-rank busy time)
-        assert all(r["busy_s"] > 0 and 0 < r["busy_fraction"] <= 1 for r in group["ranks"]), group["ranks"]
     assert all(r["peak_memory_gb"] and r["peak_memory_gb"] > 0 for r in group["ranks"])
     assert free_units() == 4  # the groups' placement groups were released
 
