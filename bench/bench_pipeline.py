@@ -55,14 +55,22 @@ def _env() -> dict:
     return env
 
 
-def launch(task: dict, size: int, folder: Path) -> list[dict]:
-    """One process per rank (`--rank R`), pinned to its core; their reports in rank order."""
+def launch(task: dict, size: int, folder: Path, split: str = "pipeline", parallel: int = 0) -> list[dict]:
+    """One process per rank (`--rank R`), pinned to its core; their reports in rank order. `parallel` > 0:
+    that many unsplit workers instead (data parallel), worker w on core w with every parallel-th document."""
     from worker.split import free_address
 
-    task = {**task, "size": size, "hostfile": [free_address("127.0.0.1") for _ in range(size)]}
-    path = folder / f"task{size}.pkl"
-    path.write_bytes(pickle.dumps(task))
-    procs = [subprocess.Popen([sys.executable, __file__, "--task", str(path), "--rank", str(r)], env=_env()) for r in range(size)]
+    name = f"{split}{size}p{parallel}"
+    if parallel:
+        paths = [folder / f"{name}w{w}.pkl" for w in range(parallel)]
+        for w, path in enumerate(paths):
+            path.write_bytes(pickle.dumps({**task, "size": 1, "split": split, "reqs": _share(task["reqs"], w, parallel),
+                                           "gen": task["gen"][w::parallel]}))  # fmt: skip
+    else:
+        task = {**task, "size": size, "split": split, "hostfile": [free_address("127.0.0.1") for _ in range(size)]}
+        paths = [folder / f"{name}.pkl"] * size
+        paths[0].write_bytes(pickle.dumps(task))
+    procs = [subprocess.Popen([sys.executable, __file__, "--task", str(path), "--rank", str(r)], env=_env()) for r, path in enumerate(paths)]
     try:
         codes = [p.wait(timeout=1200) for p in procs]
     finally:
@@ -72,7 +80,13 @@ def launch(task: dict, size: int, folder: Path) -> list[dict]:
                 p.wait()
     if any(codes):
         raise SystemExit(f"a rank exited {codes}")
-    return [pickle.loads((folder / f"task{size}.rank{r}.pkl").read_bytes()) for r in range(size)]
+    return [pickle.loads(path.with_suffix(f".rank{r}.pkl").read_bytes()) for r, path in enumerate(paths)]
+
+
+def _share(reqs: list, w: int, n: int) -> list:
+    """Worker w's documents (4 requests each) of n data-parallel workers."""
+    docs = [reqs[i : i + 4] for i in range(0, len(reqs), 4)]
+    return [r for d in docs[w::n] for r in d]
 
 
 def _barrier(group) -> None:
@@ -104,68 +118,124 @@ def _overlapped(lm, reqs, batching):
         stages.OVERLAP = False
 
 
+def _unsplit_generate(lm, reqs, batching):
+    from worker.generate import generate
+
+    return generate(lm, reqs, batch_size=batching.batch_size, prefix_reuse=False)
+
+
+def _kernels(size: int, split: str) -> tuple[dict, dict]:
+    """The scoring and the generation kernels a process of this kind runs."""
+    from worker.score import loglikelihood, pipelined_loglikelihood
+    from worker.split.decode import generate as pipelined_generate
+
+    if size == 1:
+        return {"unsplit": loglikelihood}, {"gen_unsplit": _unsplit_generate}
+    if split == "tensor":
+        return {"tensor": loglikelihood}, {}
+    return {"lockstep": loglikelihood, "pipelined": pipelined_loglikelihood, "overlapped": _overlapped}, {"gen_pipelined": pipelined_generate}
+
+
 def rank_main(task_path: str, rank: int) -> None:
     """A rank (or the anchor, size 1): load, warm up, then run each kernel named in the task, timed."""
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     from cluster.facts import blas
     from worker.load import load
-    from worker.score import loglikelihood, pipelined_loglikelihood
     from worker.spec import Batching, Grouping, ModelSpec
     from worker.split import join
 
     task = pickle.loads(Path(task_path).read_bytes())
     size = task["size"]
     group = join(task["hostfile"], rank) if size > 1 else None
-    lm = load(ModelSpec(model=task["model"], max_length=512), group=group, grouping=Grouping(size=size, split="pipeline"))
-    kernels = {"lockstep": loglikelihood, "pipelined": pipelined_loglikelihood, "overlapped": _overlapped} if size > 1 else {"unsplit": loglikelihood}
-    batching = Batching(batch_size=task["batch"])
+    lm = load(ModelSpec(model=task["model"], max_length=512), group=group, grouping=Grouping(size=size, split=task["split"]))
+    kernels, gens = _kernels(size, task["split"])
+    batching, gen_batching = Batching(batch_size=task["batch"]), Batching(batch_size=task["gen_batch"], prefix_reuse=False)
     for kernel in kernels.values():  # warm-up: first-call costs out of the timing
         kernel(lm, task["reqs"][:32], batching)
+    for kernel in gens.values():
+        kernel(lm, task["gen"][:4], gen_batching)
     report = {"blas": blas(), "cpus": sorted(os.sched_getaffinity(0))}
     for name, kernel in kernels.items():
         report[name] = _timed(lm, kernel, task["reqs"], batching, group)
+    for name, kernel in gens.items():
+        report[name] = _timed(lm, kernel, task["gen"], gen_batching, group)
     Path(task_path).with_suffix(f".rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 
-def _job_row(reports: list[dict], name: str) -> dict:
-    """The job's seconds (its slowest rank), the last rank's results, each rank's busy share of the job."""
+def _job_row(reports: list[dict], name: str, data_parallel: bool = False) -> dict:
+    """The job's seconds (its slowest rank), the last rank's results (every worker's, in document order, for
+    data-parallel workers), each rank's busy share of the job."""
     seconds = max(r[name]["seconds"] for r in reports)
-    return {"seconds": seconds, "results": reports[-1][name]["results"], "busy": [r[name]["busy"] / seconds for r in reports]}
+    results = reports[-1][name]["results"]
+    if data_parallel:  # documents were dealt round-robin: 4 requests (or 1 generation row) each
+        per = 4 if name == "unsplit" else 1
+        parts = [[r[name]["results"][i : i + per] for i in range(0, len(r[name]["results"]), per)] for r in reports]
+        results = [x for k in range(max(map(len, parts))) for p in parts if k < len(p) for x in p[k]]
+    return {"seconds": seconds, "results": results, "busy": [r[name]["busy"] / seconds for r in reports]}
 
 
-def measure(args, model: Path, reqs: list, folder: Path) -> tuple[dict, dict]:
+ROWS = {  # table row: (launch kind, kernel name)
+    "1 unsplit worker (anchor)": ("anchor", "unsplit"),
+    "2 unsplit workers, data parallel": ("dp", "unsplit"),
+    "1 group of 2, tensor split": ("tensor", "tensor"),
+    "1 group of 2, lockstep (before)": ("group", "lockstep"),
+    "1 group of 2, pipelined": ("group", "pipelined"),
+    "1 group of 2, pipelined + overlap": ("group", "overlapped"),
+    "generate: 1 unsplit worker (anchor)": ("anchor", "gen_unsplit"),
+    "generate: 1 group of 2, pipelined": ("group", "gen_pipelined"),
+}
+
+
+def _launch_all(task: dict, folder: Path) -> dict:
+    return {"anchor": launch(task, 1, folder), "group": launch(task, 2, folder), "dp": launch(task, 1, folder, parallel=2),
+            "tensor": launch(task, 2, folder, split="tensor")}  # fmt: skip
+
+
+def measure(args, model: Path, reqs: list, gen: list, folder: Path) -> tuple[dict, dict]:
     """Interleaved runs: {config: [seconds...]}, and the best run's row per config."""
-    task = {"model": str(model), "reqs": reqs, "batch": args.batch}
-    runs: dict = {"1 unsplit worker (anchor)": [], "1 group of 2, lockstep (before)": [], "1 group of 2, pipelined": [],
-                  "1 group of 2, pipelined + overlap": []}  # fmt: skip
+    task = {"model": str(model), "reqs": reqs, "batch": args.batch, "gen": gen, "gen_batch": args.gen_batch}
+    runs: dict = {name: [] for name in ROWS}
     best: dict = {}
     for _ in range(args.repeat):
-        anchor = launch(task, 1, folder)
-        group = launch(task, 2, folder)
-        rows = {"1 unsplit worker (anchor)": _job_row(anchor, "unsplit"), "1 group of 2, lockstep (before)": _job_row(group, "lockstep"),
-                "1 group of 2, pipelined": _job_row(group, "pipelined"),
-                "1 group of 2, pipelined + overlap": _job_row(group, "overlapped")}  # fmt: skip
-        for name, row in rows.items():
+        launched = _launch_all(task, folder)
+        for name, (kind, kernel) in ROWS.items():
+            row = _job_row(launched[kind], kernel, data_parallel=kind == "dp")
             runs[name].append(row["seconds"])
             if name not in best or row["seconds"] < best[name]["seconds"]:
-                best[name] = {**row, "blas": anchor[0]["blas"]}
+                best[name] = {**row, "blas": launched["anchor"][0]["blas"]}
     return runs, best
 
 
 def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> None:
-    anchor = best["1 unsplit worker (anchor)"]
-    worst = max(abs(a[0] - b[0]) for row in best.values() for a, b in zip(row["results"], anchor["results"]))
+    anchor, gen_anchor = best["1 unsplit worker (anchor)"], best["generate: 1 unsplit worker (anchor)"]
+    scoring = [row for name, row in best.items() if not name.startswith("generate")]
+    worst = max(abs(a[0] - b[0]) for row in scoring for a, b in zip(row["results"], anchor["results"]))
+    same = sum(a == b for a, b in zip(best["generate: 1 group of 2, pipelined"]["results"], gen_anchor["results"]))
     load = os.getloadavg()
     print(f"\nrandom llama hidden={args.hidden} layers={args.layers} ({weights_mb:.0f} MB); {args.docs} documents x 4 choices "
-          f"of {args.tokens} tokens; batch {args.batch} ({-(-args.docs // args.batch)} micro-batches); one core and one BLAS thread "
-          f"per process ({anchor['blas']}); load average {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
-    print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5)")
-    print(f"| {'run':<34} | best s | all runs (s) | vs anchor | busy per rank |")
-    print(f"|{'-' * 36}|-------:|-------------:|----------:|---------------|")
+          f"of {args.tokens} tokens; batch {args.batch} ({-(-args.docs // args.batch)} micro-batches); generate {args.gen_rows} rows x "
+          f"{args.new_tokens} tokens, batch {args.gen_batch}; one core and one BLAS thread per process ({anchor['blas']}); "
+          f"load average {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
+    print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5); generated texts identical {same}/{len(gen_anchor['results'])}")
+    print(f"| {'run':<38} | best s | all runs (s) | vs anchor | busy per rank |")
+    print(f"|{'-' * 40}|-------:|-------------:|----------:|---------------|")
     for name, row in best.items():
+        base = gen_anchor if name.startswith("generate") else anchor
         busy = " ".join(f"{b:.2f}" for b in row["busy"]) if "pipelined" in name else "-"
         all_runs = " ".join(f"{s:.2f}" for s in runs[name])
-        print(f"| {name:<34} | {row['seconds']:6.2f} | {all_runs:>12} | {anchor['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
+        print(f"| {name:<38} | {row['seconds']:6.2f} | {all_runs:>12} | {base['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
+    dp = best["2 unsplit workers, data parallel"]["seconds"]
+    print(f"pipelined group of 2 vs 2 data-parallel workers: {dp / best['1 group of 2, pipelined']['seconds']:.2f}x (target >= 0.85)")
+
+
+def generations(n: int, tokens: int, vocab: int, new: int, seed: int = 1) -> list:
+    """n distinct prompts (no shared prefix: the pipelined decode path), greedy, `new` tokens each."""
+    import numpy as np
+
+    from worker.generate import GenRequest
+
+    rng = np.random.default_rng(seed)
+    return [GenRequest(context=(1, *rng.integers(3, vocab, tokens - 1).tolist()), max_gen_toks=new) for _ in range(n)]
 
 
 def main() -> None:
@@ -176,6 +246,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--gen-rows", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--gen-batch", type=int, default=16)
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -189,7 +262,8 @@ def main() -> None:
         model = write_model(folder / "model", hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4, intermediate=3 * args.hidden)
         start = time.monotonic()
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        runs, best = measure(args, model, documents(args.docs, args.tokens, vocab), folder)
+        gen = generations(args.gen_rows, args.tokens, vocab, args.new_tokens)
+        runs, best = measure(args, model, documents(args.docs, args.tokens, vocab), gen, folder)
         report(args, runs, best, weights_bytes(model) / 1e6, time.monotonic() - start)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -323,7 +323,7 @@ class RayExecutor:
         }
 
     def groups(self) -> list[dict]:
-        """Per group: its split and ranks (node, layers held, peak memory now, when it can answer at once); how
+        """Per group: its split and ranks (node, layers held, peak memory now, seconds busy and waiting in pipelined jobs, when it can answer at once); how
         many times it was re-formed, why it was lost, and the chunks its current ranks finished."""
         pool, facts = self.pool, self.workers.facts or []
         if not isinstance(pool, groups.GroupPool):
@@ -335,7 +335,7 @@ class RayExecutor:
             {"group": f["group"], "size": f.get("group_size"), "split": f.get("split"), "alive": g in pool.alive,
              "reformed": pool.reformed[g], "lost": lost.get(g, []), "chunks": pool.workers[g].chunks,
              "re_forming": pool.reforms[g].step if g in pool.reforms else None,  # place (waiting for nodes), address, form
-             "ranks": [{**r, "peak_memory_gb": peaks.get((g, r["rank_in_group"]), r["peak_memory_gb"])} for r in f["ranks"]]}
+             "ranks": [{**r, **peaks.get((g, r["rank_in_group"]), {})} for r in f["ranks"]]}
             for g, f in enumerate(facts)
         ]  # fmt: skip
 

@@ -7,9 +7,11 @@ heads, and a generated 4-layer qwen2); the test compares its ranks' results with
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from worker.jobs import run
 from worker.load import load
 from worker.spec import Batching, Grouping, Intervention, Job, Steering
 from worker.split import check, free_address, layer_ranges
+from worker.split.plan import head_layers, pipeline_ranges
 
 TOLERANCE = {"pipeline": 1e-5, "tensor": 1e-4}  # pipeline runs the same ops; tensor sums partial products
 # pipeline over 2 ranks: stories (5 layers) 0-2 | 3-4, qwen2 (4 layers) 0-1 | 2-3; a layer on each side
@@ -96,8 +99,11 @@ def _scores(results) -> np.ndarray:
 def test_layers_owned(ring, models, name):
     split, reports = ring
     n = {"stories": 5, "qwen2": 4}[name]
-    want = layer_ranges(n, 2) if split == "pipeline" else [(0, n), (0, n)]
+    config = json.loads((Path(models[name]) / "config.json").read_text())
+    want = pipeline_ranges(config, 2) if split == "pipeline" else [(0, n), (0, n)]
     assert [tuple(r["layers"][name]) for r in reports] == want
+    if name == "qwen2" and split == "pipeline":  # its head (vocab 1024 x hidden 64) costs ~1.8 of its layers
+        assert want == [(0, 3), (3, 4)]
 
 
 @pytest.mark.parametrize("name", ["stories", "qwen2"])
@@ -188,6 +194,29 @@ def test_layer_ranges_contiguous_low_ranks_take_extra():
     assert layer_ranges(5, 2) == [(0, 3), (3, 5)]
     assert layer_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
     assert layer_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_layer_ranges_balance_the_head_and_the_embedding():
+    """The busiest rank's cost (its layers, + embed on rank 0, + head on the last) is the least a split allows."""
+    assert layer_ranges(8, 2, head=0.11) == [(0, 4), (4, 8)]  # the bench model: a head of 0.11 layers moves nothing
+    assert layer_ranges(32, 2, head=2.4) == [(0, 17), (17, 32)]  # llama-3-8B's head: ~2.4 layers
+    assert layer_ranges(8, 2, embed=2.0) == [(0, 3), (3, 8)]
+    assert layer_ranges(12, 4, head=3.0) == [(0, 4), (4, 8), (8, 11), (11, 12)]
+    assert layer_ranges(4, 2, head=1.8) == [(0, 3), (3, 4)]
+    for n, k, head, embed in [(9, 3, 1.5, 0.5), (16, 4, 2.0, 1.0), (7, 2, 0.0, 0.0), (5, 5, 4.0, 0.0)]:
+        ranges = layer_ranges(n, k, head, embed)
+        assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a < b for a, b in ranges)
+        assert all(ranges[r][1] == ranges[r + 1][0] for r in range(k - 1))
+        worst = max(b - a + embed * (r == 0) + head * (r == k - 1) for r, (a, b) in enumerate(ranges))
+        splits = itertools.combinations(range(1, n), k - 1)  # every contiguous split: none has a lighter busiest rank
+        best = min(max(b - a + embed * (r == 0) + head * (r == k - 1) for r, (a, b) in enumerate(zip((0, *c), (*c, n)))) for c in splits)
+        assert worst == best
+
+
+def test_head_layers_from_the_config():
+    llama8b = {"hidden_size": 4096, "vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336}
+    assert head_layers(llama8b) == pytest.approx(2.41, abs=0.01)
+    assert head_layers({"num_hidden_layers": 4}) == 0.0  # nothing to go on: the plain split
 
 
 def test_join_ends_a_rank_whose_ring_never_forms():

@@ -291,8 +291,8 @@ class GroupPool(Pool):
     def drop(self, ref: Any) -> None:
         """Never cancel a group's task (its ranks would leave the ring out of step): the copy just finishes."""
 
-    def peaks(self, timeout: float = 5.0) -> dict[tuple[int, int], float]:
-        """{(group, rank): peak memory GB} of the live groups' ranks, asked only when none holds work (a busy rank
+    def peaks(self, timeout: float = 5.0) -> dict[tuple[int, int], dict]:
+        """{(group, rank): {peak_memory_gb, busy_s, wait_s, busy_fraction}} of the live groups' ranks, asked only when none holds work (a busy rank
         answers after its chunks); {} when they do not answer within `timeout` s."""
         import ray
 

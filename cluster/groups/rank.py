@@ -18,6 +18,7 @@ from worker.jobs import Results, run
 from worker.load import load, resolve
 from worker.spec import Batching, Grouping, Job, ModelSpec
 from worker.split import answering_rank, peak_memory_gb
+from worker.split.stages import CLOCK
 
 from ..actor import WorkerActor
 
@@ -71,8 +72,12 @@ class GroupRank(WorkerActor):
             "peak_memory_gb": peak_memory_gb(),
         }
 
-    def peak_memory(self) -> float | None:
-        return peak_memory_gb()
+    def peak_memory(self) -> dict:
+        """What a rank tells after the work: its peak memory, and the seconds it spent in pipelined jobs computing
+        (busy) and waiting on transfers (issue 26: a balanced pipeline keeps every rank's busy share high)."""
+        fraction = CLOCK.busy_fraction()
+        return {"peak_memory_gb": peak_memory_gb(), "busy_s": round(CLOCK.busy, 3), "wait_s": round(CLOCK.wait, 3),
+                "busy_fraction": None if fraction is None else round(fraction, 3)}  # fmt: skip
 
     def run(self, job: Job, indices: Sequence[int], requests: Sequence[Any]) -> tuple[Sequence[int], list | None]:
         """The answering rank: the group's results. The others: None, or only their steering notes (a note is made

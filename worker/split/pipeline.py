@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..hooks import decoder_layers
-from .plan import layer_ranges
+from .plan import head_layers, layer_ranges
 
 _STAGED: dict[type, type] = {}
 
@@ -118,10 +118,11 @@ def _local_indices(inner: Any, kept: list) -> None:
         inner.swa_idx = next((i for i, b in enumerate(kept) if getattr(b, "use_sliding", False)), None)
 
 
-def split(model: Any, group: "mx.distributed.Group") -> tuple[int, int]:
-    """Keep this rank's blocks of an instrumented model (in place); returns its global [start, end)."""
+def split(model: Any, group: "mx.distributed.Group", config: dict | None = None) -> tuple[int, int]:
+    """Keep this rank's blocks of an instrumented model (in place); returns its global [start, end). The ranges
+    count the vocabulary head on the last rank (worker.split.plan.head_layers of the model's config)."""
     blocks = decoder_layers(model)
-    start, end = layer_ranges(len(blocks), group.size())[group.rank()]
+    start, end = layer_ranges(len(blocks), group.size(), head=head_layers(config or {}))[group.rank()]
     holder, name = _holder(model, blocks)
     kept = blocks[start:end]
     setattr(holder, name, kept)

@@ -15,6 +15,8 @@ SPLITS = ("pipeline", "tensor")
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads")
 _KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_INTER_KEYS = ("intermediate_size", "n_inner", "ffn_dim")
 
 
 def config_int(config: dict, keys: tuple[str, ...]) -> int | None:
@@ -27,15 +29,43 @@ def config_int(config: dict, keys: tuple[str, ...]) -> int | None:
     return None
 
 
-def layer_ranges(n_layers: int, size: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) per rank, rank 0 the first layers; the low ranks take the extra layers."""
-    base, extra = divmod(n_layers, size)
-    ranges, start = [], 0
-    for rank in range(size):
-        end = start + base + (1 if rank < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
+def layer_ranges(n_layers: int, size: int, head: float = 0.0, embed: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous [start, end) per rank, rank 0 the first layers, at least one each: the split whose busiest rank
+    costs least, counting `embed` layers' worth of work on rank 0 and `head` on the last (the vocabulary head);
+    among equal ones the low ranks take the extra layers."""
+    cost = lambda r, a, b: b - a + (embed if r == 0 else 0.0) + (head if r == size - 1 else 0.0)  # noqa: E731
+    best: dict = {}  # (rank, start) -> (max cost of ranks rank.., their ends)
+
+    def plan(rank: int, start: int) -> tuple:
+        if rank == size - 1:
+            return cost(rank, start, n_layers), (n_layers,)
+        if (rank, start) not in best:
+            options = [(max(cost(rank, start, end), plan(rank + 1, end)[0]), -end, end) for end in range(start + 1, n_layers - size + rank + 2)]
+            top, _, end = min(options)
+            best[rank, start] = top, (end, *plan(rank + 1, end)[1])
+        return best[rank, start]
+
+    ends = plan(0, 0)[1] if n_layers >= size else tuple(min(n_layers, r + 1) for r in range(size))
+    return list(zip((0, *ends[:-1]), ends))
+
+
+def head_layers(config: dict) -> float:
+    """What the vocabulary head (final norm, lm head, log-softmax) costs in decoder layers at a position it runs
+    on: its matmul weights over one layer's (q, k, v, o and a gated MLP's three); 0 where the config does not
+    say. The embedding is a row lookup: no matmul, counted as 0 (bench/README: measured)."""
+    hidden, vocab = config_int(config, _HIDDEN_KEYS), config_int(config, ("vocab_size",))
+    if not (hidden and vocab):
+        return 0.0
+    heads = config_int(config, _HEAD_KEYS)
+    kv_share = (config_int(config, _KV_HEAD_KEYS) or heads) / heads if heads else 1.0
+    inter = config_int(config, _INTER_KEYS) or 4 * hidden
+    return vocab * hidden / (hidden * hidden * (2 + 2 * kv_share) + 3 * hidden * inter)
+
+
+def pipeline_ranges(config: dict, size: int) -> list[tuple[int, int]]:
+    """Each rank's layers for `config`'s model: balanced with the head on the last rank at its decode cost (a
+    generated token runs it once per row; scoring only at the scored positions, where it costs next to nothing)."""
+    return layer_ranges(config_int(config, LAYER_KEYS) or 0, size, head=head_layers(config))
 
 
 def answering_rank(grouping) -> int:

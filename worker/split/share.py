@@ -31,9 +31,9 @@ def _materialize(model: Any) -> None:
         mx.eval(weight)
 
 
-def _split(model: Any, group: "mx.distributed.Group", grouping: Grouping, n_layers: int) -> tuple[int, int]:
+def _split(model: Any, group: "mx.distributed.Group", grouping: Grouping, n_layers: int, config: dict) -> tuple[int, int]:
     if grouping.split == "pipeline":
-        return pipeline.split(model, group)
+        return pipeline.split(model, group, config)
     model.shard(group)
     return 0, n_layers
 
@@ -52,7 +52,7 @@ def split_share(model: Any, config: dict, dtype: str | None, group: "mx.distribu
     if problem:
         raise SplitError(problem)
     hooks = instrument(model)  # before the split: every block keeps its global layer index
-    layers = _split(model, group, grouping, hooks.n_layers)
+    layers = _split(model, group, grouping, hooks.n_layers, config)
     hooks.owned, hooks.group = range(*layers), group
     if dtype is not None and "quantization" not in config:
         model.set_dtype(getattr(mx, dtype))
