@@ -84,9 +84,9 @@ def base_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", "PYTEST_"))}
     env.update(
         HOME=str(home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-        RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", HF_HOME=str(home / "hf"), RAY_TMPDIR=str(home / "rt"),
-    )  # fmt: skip
-    (home / "rt").mkdir(parents=True, exist_ok=True)
+        RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", HF_HOME=str(home / "hf"),
+        RAY_TMPDIR=tempfile.mkdtemp(prefix="oh", dir="/tmp"),  # short: Ray's socket paths must stay < 108 bytes
+    )  # fmt: skip  (under pytest-xdist, home sits one folder deeper: popen-gwN/)
     return env
 
 
