@@ -6,10 +6,13 @@ lockstep job (generate on prompts sharing a prefix: worker.split.decode.pipeline
 its numbers: the two paths share one ring.
 
 Models: the shipped TinyStories-260K (a llama of 5 layers: 3|2 over 2 ranks, 2|2|1 over 3) and a generated qwen2
-of 4 layers (2|2, 2|1|1): uneven layer counts on both.
+of 4 layers (3|1 and 2|1|1: its head weighs ~1.8 layers, worker.split.plan.head_layers): uneven layer counts on both.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +22,9 @@ from worker.generate import GenRequest
 from worker.jobs import run
 from worker.load import load
 from worker.spec import Batching, Grouping, Intervention, Job, Steering
-from worker.split import layer_ranges
+from worker.split.plan import pipeline_ranges
 
-LAYERS = {"stories": 5, "qwen2": 4}
+CONFIGS: dict[str, dict] = {}  # each model's config.json, read by `models`: the split's layer plan is made from it
 HIDDEN = 64
 BATCHINGS = {"b1": Batching(batch_size=1), "b3": Batching(batch_size=3), "b16": Batching(),
              "b2_no_families": Batching(batch_size=2, prefix_reuse=False)}  # fmt: skip
@@ -46,7 +49,7 @@ def _requests() -> list:
 
 def _firsts(name: str, size: int) -> list[int]:
     """A layer on every rank: each rank's first."""
-    return [start for start, _ in layer_ranges(LAYERS[name], size)]
+    return [start for start, _ in pipeline_ranges(CONFIGS[name], size)]
 
 
 def _steer(layers: list[int]) -> Steering:
@@ -71,7 +74,9 @@ def models(stories_path, tmp_path_factory):
     from testbed.models import write_model
 
     qwen2 = write_model(tmp_path_factory.mktemp("pipeline") / "qwen2", arch="qwen2", layers=4, heads=4, kv_heads=2)
-    return {"stories": stories_path, "qwen2": qwen2}
+    folders = {"stories": stories_path, "qwen2": qwen2}
+    CONFIGS.update({name: json.loads((Path(f) / "config.json").read_text()) for name, f in folders.items()})
+    return folders
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,13 @@ steered at a layer on every rank; only the last rank holds texts, and every rank
 prefix stay on the lockstep path (worker.split.decode.pipelines) and keep their texts too.
 
 Models: the shipped TinyStories-260K (a llama of 5 layers: 3|2 over 2 ranks, 2|2|1 over 3) and a generated qwen2
-of 4 layers (2|2, 2|1|1): uneven layer counts on both.
+of 4 layers (3|1 and 2|1|1: its head weighs ~1.8 layers, worker.split.plan.head_layers): uneven layer counts on both.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,9 +21,10 @@ from worker.generate import GenRequest
 from worker.jobs import run
 from worker.load import load
 from worker.spec import Batching, Grouping, Intervention, Job, Steering
-from worker.split import decode, layer_ranges
+from worker.split import decode
+from worker.split.plan import pipeline_ranges
 
-LAYERS = {"stories": 5, "qwen2": 4}
+CONFIGS: dict[str, dict] = {}  # each model's config.json, read by `models`: the split's layer plan is made from it
 HIDDEN = 64
 
 
@@ -52,7 +56,7 @@ def _family() -> list[GenRequest]:
 
 def _work(name: str, size: int) -> list[tuple]:
     """(label, job, requests, batching) on one model."""
-    firsts = [start for start, _ in layer_ranges(LAYERS[name], size)]  # a layer on every rank: each rank's first
+    firsts = [start for start, _ in pipeline_ranges(CONFIGS[name], size)]  # a layer on every rank: each rank's first
     greedy, sampled = _requests(False), _requests(True)
     return [("greedy_b4", Job(kind="generate"), greedy, Batching(batch_size=4)),
             ("greedy_b16", Job(kind="generate"), greedy, Batching()),
@@ -67,7 +71,9 @@ def models(stories_path, tmp_path_factory):
     from testbed.models import write_model
 
     qwen2 = write_model(tmp_path_factory.mktemp("pipegen") / "qwen2", arch="qwen2", layers=4, heads=4, kv_heads=2)
-    return {"stories": stories_path, "qwen2": qwen2}
+    folders = {"stories": stories_path, "qwen2": qwen2}
+    CONFIGS.update({name: json.loads((Path(f) / "config.json").read_text()) for name, f in folders.items()})
+    return folders
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def layer_ranges(n_layers: int, size: int, head: float = 0.0, embed: float = 0.0
 def head_layers(config: dict) -> float:
     """What the vocabulary head (final norm, lm head, log-softmax) costs in decoder layers at a position it runs
     on: its matmul weights over one layer's (q, k, v, o and a gated MLP's three); 0 where the config does not
-    say. The embedding is a row lookup: no matmul, counted as 0 (bench/README: measured)."""
+    say. The embedding is a row lookup: no matmul, counted as 0 (an estimate, not measured)."""
     hidden, vocab = config_int(config, _HIDDEN_KEYS), config_int(config, ("vocab_size",))
     if not (hidden and vocab):
         return 0.0
