@@ -13,8 +13,9 @@ Every transfer is evaluated on its own (worker.split.stages.timed): a dead peer 
 a hung one is caught by the group deadline as for pipelined scoring (cluster.groups.pool).
 
 What stays on the sequential (lockstep) path, by `pipelines` and worker.jobs: prompts that share a prefix
-(their KV computed once and read by every row: worker.generate's families), conditional steering, capture and
-grid jobs.
+(their KV computed once and read by every row: worker.generate's families), capture and grid jobs. Conditional
+steering pipelines: each row runs under "configuration" = its request index, which keeps its decision for the
+decode rounds (worker.hooks.condition), and the decision travels with the hidden state (worker.split.pipeline).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class _Micro:
     """One micro-batch's decoding state on this rank: the same on every rank (caches aside), plus, on the last
     rank, what the sampler needs (keys, generated ids)."""
 
-    def __init__(self, lm: Any, reqs: list[GenRequest], last: bool) -> None:
-        self.lm, self.reqs = lm, reqs
+    def __init__(self, lm: Any, reqs: list[GenRequest], last: bool, ids: list[int]) -> None:
+        self.lm, self.reqs, self.ids = lm, reqs, ids  # ids: the rows' request indices (conditional steering's Rows.configs)
         P = max(len(r.context) for r in reqs)
         self.pads = [P - len(r.context) for r in reqs]
         self.tokens = mx.array([[0] * p + list(r.context) for p, r in zip(self.pads, reqs)])
@@ -85,7 +86,7 @@ class _Micro:
             rows = Rows(offset=self.pos, starts=mx.array(self.pads), ends=mx.full((B,), self.pos + 1),
                         prompt_ends=mx.full((B,), self.prompt_end))  # fmt: skip
             self.pos += 1
-        with self.lm.hooks.forward(rows):
+        with self.lm.hooks.rows_under([self.ids[b] for b in self.live]), self.lm.hooks.forward(rows):
             h = self.lm.head.body(self.tokens, cache=self.cache)
         return h
 
@@ -169,7 +170,7 @@ def generate(lm: Any, requests: Sequence[GenRequest], batching: Batching) -> lis
     ring = _Ring(lm)
     last = ring.rank == ring.size - 1
     reqs, rows = micro_rows(lm, requests, batching.batch_size, ring.size)
-    micros = [_Micro(lm, [reqs[i] for i in idx], last) for idx in rows]
+    micros = [_Micro(lm, [reqs[i] for i in idx], last, idx) for idx in rows]
     live = list(range(len(micros)))
     with passing(lm.model, ring.pipe):
         while live:  # every live micro-batch takes its round in turn (schedule.decode_steps)
