@@ -4,7 +4,8 @@ blocks (their GLOBAL layer indices stay: hooks, steering and capture name layers
 The first local block takes the hidden state from the rank before (recv), the last local block sends its output
 to the rank after. Two ways on from there:
 - lockstep (every kernel by default): every rank keeps the LAST stage's output of an all_gather, so every rank
-  ends the body with the same hidden state and every kernel after the forward agrees across ranks;
+  ends the body with the same hidden state and every kernel after the forward agrees across ranks (each hand-over
+  evaluated as it is built, so transfers keep program order: `_handoff`);
 - pipelined (inside `passing(model, pipe)`: worker.split.stages runs the schedule): no send and no gather in the
   blocks; the first local block reads its input from a lazy `recv_like` (kept on `pipe.received`) and the last
   one leaves its output on `pipe.out`, and the stages loop evaluates the receive, the layers and the send as
@@ -42,11 +43,6 @@ class Pipe:
 
     received: mx.array | None = None
     out: mx.array | None = None
-
-
-def _cache_of(args: tuple, kwargs: dict) -> Any:
-    """The block's KV cache argument (an object with `update_and_fetch`), wherever the family passes it."""
-    return next((a for a in (*args, *kwargs.values()) if hasattr(a, "update_and_fetch")), None)
 
 
 def _with_input(args: tuple, kwargs: dict, x: mx.array) -> tuple[tuple, dict]:
@@ -91,16 +87,22 @@ class _Relay:
         return packed[..., : -self.width]
 
 
-def _handoff(self, h: mx.array, cache: Any, relayed: _Relay) -> mx.array:
-    """Send this stage's output on, then every rank takes the last stage's output (all_gather, kept in the graph)."""
+def _handoff(self, h: mx.array, relayed: _Relay) -> mx.array:
+    """Send this stage's output on, then every rank takes the last stage's output (all_gather).
+
+    Evaluated here, as the forward is built: a kernel may build several forwards before it evaluates them (a
+    generation batch merges the prefills of several prompt families), and one evaluation of them all orders the
+    receives, sends and gathers of different forwards as each rank's graph happens to (they differ by rank), which
+    pairs one forward's transfer with another's. Built and evaluated one at a time, they happen in program order,
+    the same on every rank."""
     group, rank, size = self._orchard_group, self._orchard_group.rank(), self._orchard_group.size()
     h = relayed.pack(h)
     if rank < size - 1:
         h = mx.distributed.send(h, rank + 1, group=group)
-        if cache is not None and getattr(cache, "keys", None) is not None:
-            cache.keys = mx.depends(cache.keys, h)  # evaluating only the caches still sends (prefix passes)
     batch = h.shape[0]
-    last = relayed.unpack(mx.distributed.all_gather(h, group=group)[(size - 1) * batch : size * batch])
+    gathered = mx.distributed.all_gather(h, group=group)[(size - 1) * batch : size * batch]
+    mx.eval(gathered)
+    last = relayed.unpack(gathered)
     settle(relayed.gates)  # every rank now knows the decisions (lockstep kernels agree across ranks)
     return last
 
@@ -131,8 +133,8 @@ def _staged_class(cls: type) -> type:
                     settle(relayed.gates)
                 return out
             if isinstance(out, tuple):  # blocks that also return e.g. router logits
-                return (_handoff(self, out[0], _cache_of(args, kwargs), relayed), *out[1:])
-            return _handoff(self, out, _cache_of(args, kwargs), relayed)
+                return (_handoff(self, out[0], relayed), *out[1:])
+            return _handoff(self, out, relayed)
 
         _STAGED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "_orchard_stage": True})
     return _STAGED[cls]
