@@ -14,24 +14,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from testbed.ring import run_split
-from tests.test_steer_condition import ALPHA, PROMPTS, SHOTS, between, cast_rule, ids
+from tests.test_steer_condition import ALPHA, PROMPTS, SHOTS, between, cast_rule, direction, ids, lm  # noqa: F401  fixtures
 from tests.test_steer_condition_share import A_COND, _b_sims, _condition, _two, _vector
 from worker.generate import GenRequest
 from worker.jobs import run
-from worker.load import load
-from worker.spec import Batching, Grouping, Intervention, Job, ModelSpec, Steering
+from worker.spec import Batching, Grouping, Intervention, Job, Steering
 from worker.split.plan import pipeline_ranges
 
 C_LAYER = 1  # on rank 0 of every split here
-
-
-@pytest.fixture(scope="module")
-def lm(stories_path):
-    return load(ModelSpec(model=str(stories_path)))
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +39,9 @@ def rows(lm):
 
 
 @pytest.fixture(scope="module")
-def settings(lm, rows):
+def settings(lm, rows, direction):
     """Thresholds that split the rows: one condition's at C_LAYER, and two conditional interventions' (as
     tests.test_steer_condition_share picks them: every combination of the two decisions occurs)."""
-    direction = np.random.default_rng(7).standard_normal(64).astype(np.float32)
     short, shots = rows
     one = between([cast_rule(lm, c, direction, C_LAYER) for c in short + shots])
     ta = between([cast_rule(lm, c, direction, A_COND) for c in shots])

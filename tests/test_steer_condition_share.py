@@ -9,25 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.test_steer_condition import ALPHA, PROMPTS, SHOTS, between, cast_rule, gate, ids
+from tests.test_steer_condition import ALPHA, PROMPTS, SHOTS, between, cast_rule, direction, gate, ids, lm  # noqa: F401  fixtures
 from worker.generate import GenRequest
 from worker.hooks import condition_share
 from worker.jobs import run
-from worker.load import load
-from worker.spec import Batching, Condition, Gate, Intervention, Job, ModelSpec, Steering
+from worker.spec import Batching, Condition, Gate, Intervention, Job, Steering
 from worker.steer import steered
 
 WHOLE = Batching(batch_size=16, prefix_reuse=False)
-
-
-@pytest.fixture(scope="module")
-def lm(stories_path):
-    return load(ModelSpec(model=str(stories_path)))
-
-
-@pytest.fixture(scope="module")
-def direction():
-    return np.random.default_rng(7).standard_normal(64).astype(np.float32)
 
 
 @pytest.fixture
