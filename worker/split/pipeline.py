@@ -113,6 +113,8 @@ def _staged_class(cls: type) -> type:
     if cls not in _STAGED:
 
         def __call__(self, *args: Any, **kwargs: Any):
+            if not (self._orchard_receives or self._orchard_sends):  # a block inside the rank's range
+                return cls.__call__(self, *args, **kwargs)
             group, pipe = self._orchard_group, self._orchard_pipe
             x = args[0] if args else next(iter(kwargs.values()))
             relayed = _Relay.of(self, x)
