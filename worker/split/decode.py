@@ -207,7 +207,8 @@ def shared_prefixes(lm: Any, prefixes: Sequence[tuple[int, ...]]) -> dict[tuple[
             passes.append(_PrefixPass(lm, tokens, found))
         else:
             ready[tokens] = None
-    stages.run(lm, [stages.Micro(p.forward, keep=p.keep) for p in passes], lambda _: None)
+    if passes:
+        stages.run(lm, [stages.Micro(p.forward, keep=p.keep) for p in passes], lambda _: None)
     ready.update((p.tokens, p.cache) for p in passes)
     return ready
 
