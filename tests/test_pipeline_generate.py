@@ -73,10 +73,12 @@ def _family() -> list[GenRequest]:
     return [GenRequest(context=shots + (7 + i, 9), max_gen_toks=6) for i in range(4)]
 
 
-def _steer(layers: list[int]) -> Steering:
+def _steer(layers: list[int], positions: tuple[str, ...] = ("all",)) -> Steering:
+    """Steering at each of `layers`, at `positions` in turn."""
     rng = np.random.default_rng(sum(layers))
-    return Steering(interventions=tuple(Intervention(layer=layer, vector=tuple(rng.standard_normal(HIDDEN).tolist()), alpha=4.0)
-                                        for layer in layers))  # fmt: skip
+    return Steering(interventions=tuple(Intervention(layer=layer, vector=tuple(rng.standard_normal(HIDDEN).tolist()), alpha=4.0,
+                                                     positions=positions[i % len(positions)])
+                                        for i, layer in enumerate(layers)))  # fmt: skip
 
 
 def _work(name: str, size: int) -> list[tuple]:
@@ -95,7 +97,8 @@ def _work(name: str, size: int) -> list[tuple]:
             ("fewshot_sampled_b2", Job(kind="generate"), shots_sampled, Batching(batch_size=2)),
             ("fewshot_sampled_b16", Job(kind="generate"), shots_sampled, Batching()),
             ("fewshot_longer", Job(kind="generate"), _fewshot(False, longer=9), Batching(batch_size=5)),  # extends 48
-            ("fewshot_steered", Job(kind="generate", steering=_steer(firsts)), shots, Batching(batch_size=4)),
+            ("fewshot_steered", Job(kind="generate", steering=_steer(firsts, ("continuation", "all", "prompt"))), shots,
+             Batching()),  # a prefix steered on some layers only (`continuation` never touches it)
             ("fewshot_unshared", Job(kind="generate"), shots, Batching(batch_size=4, prefix_reuse=False)),
             ("fewshot_no_store", Job(kind="generate"), shots, Batching(batch_size=6, prefix_cache_mb=0))]  # fmt: skip
 
