@@ -13,7 +13,9 @@ to rank 0 (its ring neighbour), which feeds them to the next round. The ids trav
 last rank ahead of the hidden state, one int per row of the micro-batch (-1: the row is done), so every rank
 drops the same rows and derives the next shapes from them; a round whose ids are all done closes the
 micro-batch on every rank. Every live micro-batch takes its round in turn, so with M >= K micro-batches every
-rank has work while the others run theirs.
+rank has work while the others run theirs. A micro-batch's prefill round runs one forward per part (its rows'
+prompts, or their suffixes after one shared few-shot prefix), each sent on as it is done; the last rank samples
+once all are in.
 """
 
 from __future__ import annotations
