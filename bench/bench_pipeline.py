@@ -1,6 +1,7 @@
 """Pipelined worker groups (issue 26): one pipeline group of 2, lockstep vs pipelined, against one unsplit worker.
 
     python bench/bench_pipeline.py [--hidden 512] [--layers 8] [--docs 256] [--tokens 48] [--batch 8] [--repeat 2]
+                                   [--gen-rows 64] [--new-tokens 32] [--gen-batch 16] [--shot-tokens 256]
 
 The model is a random-weight llama written locally. Every rank (and the unsplit anchor) is one process pinned to
 a core of its own (os.sched_setaffinity: rank r on core r) with one BLAS/OpenMP thread and Debian's OpenBLAS
@@ -10,7 +11,9 @@ only (worker.score), after loading and a warm-up job, from a barrier to the last
 both kernels on one ring, alternating; the anchor and the group alternate too, and each keeps its best of
 --repeat. "overlap": each send on a stream of its own while the next micro-batch computes
 (worker.split.stages.OVERLAP). Every run must agree with the anchor within 1e-5. Busy: the share of the job each rank spent computing
-(worker.split.stages.CLOCK), the rest waiting in transfers.
+(worker.split.stages.CLOCK), the rest waiting in transfers. Generation: --gen-rows distinct prompts, and as many
+few-shot prompts (one --shot-tokens prefix shared by all, each its own --tokens question: its KV computed once
+per job, the store holding no earlier copy), greedy, --new-tokens each, texts compared with the anchor's.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def launch(task: dict, size: int, folder: Path, split: str = "pipeline", paralle
         paths = [folder / f"{name}w{w}.pkl" for w in range(parallel)]
         for w, path in enumerate(paths):
             path.write_bytes(pickle.dumps({**task, "size": 1, "split": split, "reqs": _share(task["reqs"], w, parallel),
-                                           "gen": task["gen"][w::parallel]}))  # fmt: skip
+                                           "gen": task["gen"][w::parallel], "fewshot": []}))  # fmt: skip
     else:
         task = {**task, "size": size, "split": split, "hostfile": [free_address("127.0.0.1") for _ in range(size)]}
         paths = [folder / f"{name}.pkl"] * size
@@ -121,19 +124,20 @@ def _overlapped(lm, reqs, batching):
 def _unsplit_generate(lm, reqs, batching):
     from worker.generate import generate
 
-    return generate(lm, reqs, batch_size=batching.batch_size, prefix_reuse=False)
+    return generate(lm, reqs, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
 
 
 def _kernels(size: int, split: str) -> tuple[dict, dict]:
-    """The scoring and the generation kernels a process of this kind runs."""
+    """The scoring kernels a process of this kind runs, and its generation kernels with the prompts each takes."""
     from worker.score import loglikelihood, pipelined_loglikelihood
     from worker.split.decode import generate as pipelined_generate
 
     if size == 1:
-        return {"unsplit": loglikelihood}, {"gen_unsplit": _unsplit_generate}
+        return {"unsplit": loglikelihood}, {"gen_unsplit": (_unsplit_generate, "gen"), "fewshot_unsplit": (_unsplit_generate, "fewshot")}
     if split == "tensor":
         return {"tensor": loglikelihood}, {}
-    return {"lockstep": loglikelihood, "pipelined": pipelined_loglikelihood, "overlapped": _overlapped}, {"gen_pipelined": pipelined_generate}
+    return ({"lockstep": loglikelihood, "pipelined": pipelined_loglikelihood, "overlapped": _overlapped},
+            {"gen_pipelined": (pipelined_generate, "gen"), "fewshot_pipelined": (pipelined_generate, "fewshot")})  # fmt: skip
 
 
 def rank_main(task_path: str, rank: int) -> None:
@@ -149,16 +153,17 @@ def rank_main(task_path: str, rank: int) -> None:
     group = join(task["hostfile"], rank) if size > 1 else None
     lm = load(ModelSpec(model=task["model"], max_length=512), group=group, grouping=Grouping(size=size, split=task["split"]))
     kernels, gens = _kernels(size, task["split"])
-    batching, gen_batching = Batching(batch_size=task["batch"]), Batching(batch_size=task["gen_batch"], prefix_reuse=False)
+    batching = Batching(batch_size=task["batch"])
+    gen_batching = {"gen": Batching(batch_size=task["gen_batch"], prefix_reuse=False), "fewshot": Batching(batch_size=task["gen_batch"])}
     for kernel in kernels.values():  # warm-up: first-call costs out of the timing
         kernel(lm, task["reqs"][:32], batching)
-    for kernel in gens.values():
-        kernel(lm, task["gen"][:4], gen_batching)
+    for kernel, prompts in gens.values():  # few-shot: another prefix (the timed job's is in no store)
+        kernel(lm, task[prompts + "_warm"], gen_batching[prompts])
     report = {"blas": blas(), "cpus": sorted(os.sched_getaffinity(0))}
     for name, kernel in kernels.items():
         report[name] = _timed(lm, kernel, task["reqs"], batching, group)
-    for name, kernel in gens.items():
-        report[name] = _timed(lm, kernel, task["gen"], gen_batching, group)
+    for name, (kernel, prompts) in gens.items():
+        report[name] = _timed(lm, kernel, task[prompts], gen_batching[prompts], group)
     Path(task_path).with_suffix(f".rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 
@@ -183,6 +188,8 @@ ROWS = {  # table row: (launch kind, kernel name)
     "1 group of 2, pipelined + overlap": ("group", "overlapped"),
     "generate: 1 unsplit worker (anchor)": ("anchor", "gen_unsplit"),
     "generate: 1 group of 2, pipelined": ("group", "gen_pipelined"),
+    "generate few-shot: 1 unsplit worker (anchor)": ("anchor", "fewshot_unsplit"),
+    "generate few-shot: 1 group of 2, pipelined": ("group", "fewshot_pipelined"),
 }
 
 
@@ -191,9 +198,10 @@ def _launch_all(task: dict, folder: Path) -> dict:
             "tensor": launch(task, 2, folder, split="tensor")}  # fmt: skip
 
 
-def measure(args, model: Path, reqs: list, gen: list, folder: Path) -> tuple[dict, dict]:
-    """Interleaved runs: {config: [seconds...]}, and the best run's row per config."""
-    task = {"model": str(model), "reqs": reqs, "batch": args.batch, "gen": gen, "gen_batch": args.gen_batch}
+def measure(args, model: Path, reqs: list, gen: dict, folder: Path) -> tuple[dict, dict]:
+    """Interleaved runs: {config: [seconds...]}, and the best run's row per config. `gen`: the generation prompts
+    by kind (gen, fewshot, and each one's _warm)."""
+    task = {"model": str(model), "reqs": reqs, "batch": args.batch, **gen, "gen_batch": args.gen_batch}
     runs: dict = {name: [] for name in ROWS}
     best: dict = {}
     for _ in range(args.repeat):
@@ -207,35 +215,39 @@ def measure(args, model: Path, reqs: list, gen: list, folder: Path) -> tuple[dic
 
 
 def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> None:
-    anchor, gen_anchor = best["1 unsplit worker (anchor)"], best["generate: 1 unsplit worker (anchor)"]
+    anchor = best["1 unsplit worker (anchor)"]
+    anchors = {kind: best[f"{kind}: 1 unsplit worker (anchor)"] for kind in ("generate", "generate few-shot")}
     scoring = [row for name, row in best.items() if not name.startswith("generate")]
     worst = max(abs(a[0] - b[0]) for row in scoring for a, b in zip(row["results"], anchor["results"]))
-    same = sum(a == b for a, b in zip(best["generate: 1 group of 2, pipelined"]["results"], gen_anchor["results"]))
+    same = [sum(a == b for a, b in zip(best[f"{kind}: 1 group of 2, pipelined"]["results"], row["results"])) for kind, row in anchors.items()]
     load = os.getloadavg()
     print(f"\nrandom llama hidden={args.hidden} layers={args.layers} ({weights_mb:.0f} MB); {args.docs} documents x 4 choices "
           f"of {args.tokens} tokens; batch {args.batch} ({-(-args.docs // args.batch)} micro-batches); generate {args.gen_rows} rows x "
-          f"{args.new_tokens} tokens, batch {args.gen_batch}; one core and one BLAS thread per process ({anchor['blas']}); "
+          f"{args.new_tokens} tokens, batch {args.gen_batch} (few-shot: a {args.shot_tokens}-token prefix shared); one core and one BLAS thread per process ({anchor['blas']}); "
           f"load average {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
-    print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5); generated texts identical {same}/{len(gen_anchor['results'])}")
-    print(f"| {'run':<38} | best s | all runs (s) | vs anchor | busy per rank |")
-    print(f"|{'-' * 40}|-------:|-------------:|----------:|---------------|")
+    print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5); generated texts identical {same[0]}/{args.gen_rows}, "
+          f"few-shot {same[1]}/{args.gen_rows}")
+    print(f"| {'run':<44} | best s | all runs (s) | vs anchor | busy per rank |")
+    print(f"|{'-' * 46}|-------:|-------------:|----------:|---------------|")
     for name, row in best.items():
-        base = gen_anchor if name.startswith("generate") else anchor
+        base = anchors.get(name.partition(":")[0], anchor)
         busy = " ".join(f"{b:.2f}" for b in row["busy"]) if "pipelined" in name else "-"
         all_runs = " ".join(f"{s:.2f}" for s in runs[name])
-        print(f"| {name:<38} | {row['seconds']:6.2f} | {all_runs:>12} | {base['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
+        print(f"| {name:<44} | {row['seconds']:6.2f} | {all_runs:>12} | {base['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
     dp = best["2 unsplit workers, data parallel"]["seconds"]
     print(f"pipelined group of 2 vs 2 data-parallel workers: {dp / best['1 group of 2, pipelined']['seconds']:.2f}x (target >= 0.85)")
 
 
-def generations(n: int, tokens: int, vocab: int, new: int, seed: int = 1) -> list:
-    """n distinct prompts (no shared prefix: the pipelined decode path), greedy, `new` tokens each."""
+def generations(n: int, tokens: int, vocab: int, new: int, seed: int = 1, shots: int = 0) -> list:
+    """n prompts, greedy, `new` tokens each: distinct, or (`shots` > 0) one `shots`-token few-shot prefix shared by
+    all, each its own `tokens` after it."""
     import numpy as np
 
     from worker.generate import GenRequest
 
     rng = np.random.default_rng(seed)
-    return [GenRequest(context=(1, *rng.integers(3, vocab, tokens - 1).tolist()), max_gen_toks=new) for _ in range(n)]
+    prefix = (1, *rng.integers(3, vocab, shots - 1).tolist()) if shots else (1,)
+    return [GenRequest(context=(*prefix, *rng.integers(3, vocab, tokens - 1).tolist()), max_gen_toks=new) for _ in range(n)]
 
 
 def main() -> None:
@@ -249,6 +261,7 @@ def main() -> None:
     parser.add_argument("--gen-rows", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--gen-batch", type=int, default=16)
+    parser.add_argument("--shot-tokens", type=int, default=256)
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -262,7 +275,10 @@ def main() -> None:
         model = write_model(folder / "model", hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4, intermediate=3 * args.hidden)
         start = time.monotonic()
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        gen = generations(args.gen_rows, args.tokens, vocab, args.new_tokens)
+        gen = {"gen": generations(args.gen_rows, args.tokens, vocab, args.new_tokens),
+               "fewshot": generations(args.gen_rows, args.tokens, vocab, args.new_tokens, shots=args.shot_tokens),
+               "gen_warm": generations(4, args.tokens, vocab, args.new_tokens, seed=2),
+               "fewshot_warm": generations(4, args.tokens, vocab, args.new_tokens, seed=3, shots=args.shot_tokens)}
         runs, best = measure(args, model, documents(args.docs, args.tokens, vocab), gen, folder)
         report(args, runs, best, weights_bytes(model) / 1e6, time.monotonic() - start)
     finally:

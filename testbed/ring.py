@@ -4,7 +4,8 @@
 the ring, loads its share of every model in `models` ({name: folder}; worker.load.load with the group) and runs
 every (name, Job, requests[, Batching]) of `work` through worker.jobs.run, in the same order, as a group's ranks
 do. Returns each rank's report: its layers and peak memory per model, results (a job that raised gives
-"error: <message>") and `clock`, its pipelined busy and waiting time (worker.split.stages.CLOCK).
+"error: <message>"), `clock`, its pipelined busy and waiting time (worker.split.stages.CLOCK), and per model its
+prefix store's counters after the work (worker.prefix_cache).
 A grouping of size 1 loads the whole models unsplit.
 """
 
@@ -73,6 +74,7 @@ def main(task_path: str, rank: int) -> None:
     import mlx.core as mx
 
     from worker.load import load
+    from worker.prefix_cache import store
     from worker.spec import ModelSpec
     from worker.split import join, peak_memory_gb
     from worker.split.stages import CLOCK
@@ -88,8 +90,9 @@ def main(task_path: str, rank: int) -> None:
     held = {name: weights_held(lm) for name, lm in models.items()}
     results = [_job(models[name], job, requests, *rest) for name, job, requests, *rest in task["work"]]
     cascade = {name: getattr(lm.model, "_orchard_cascade", None) for name, lm in models.items()}  # its verdict, if asked
+    stores = {name: store(lm).stats() for name, lm in models.items()}
     report = {"rank": rank, "layers": layers, "load_peak_gb": load_peak, "peak_gb": peak_memory_gb(),
-              "weights_bytes": held, "results": results, "cascade": cascade, "clock": CLOCK}  # fmt: skip
+              "weights_bytes": held, "results": results, "cascade": cascade, "clock": CLOCK, "prefix_store": stores}  # fmt: skip
     (Path(task_path).parent / f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 

@@ -45,15 +45,14 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
         batching = batching.model_copy(update={"prefix_reuse": False})
     with steered(lm, job.steering, notes, fired):
         # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
-        # loglikelihood pairs), steered or not, prefix families included; generate whose prompts share no prefix
-        # (worker.split.decode.pipelines), steered or not; the last rank answers. Still lockstep (every stage
-        # after the other, an all_gather per forward): generate with shared prompt prefixes or conditional
+        # loglikelihood pairs) and generate, steered or not, prefix families included; the last rank answers.
+        # Still lockstep (every stage after the other, an all_gather per forward): generate under conditional
         # steering, capture and grid jobs (above).
         if job.kind == "loglikelihood":
             out = (pipelined_loglikelihood if pipelined(lm) else loglikelihood)(lm, requests, batching)
         elif job.kind == "generate" and fired is not None:
             out = conditional_generate(lm, requests, batching.batch_size)
-        elif job.kind == "generate" and pipelined(lm) and pipelined_decode.pipelines(lm, requests, batching):
+        elif job.kind == "generate" and pipelined(lm):
             out = pipelined_decode.generate(lm, requests, batching)
         elif job.kind == "generate":
             out = generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)

@@ -13,7 +13,9 @@ to rank 0 (its ring neighbour), which feeds them to the next round. The ids trav
 last rank ahead of the hidden state, one int per row of the micro-batch (-1: the row is done), so every rank
 drops the same rows and derives the next shapes from them; a round whose ids are all done closes the
 micro-batch on every rank. Every live micro-batch takes its round in turn, so with M >= K micro-batches every
-rank has work while the others run theirs.
+rank has work while the others run theirs. A micro-batch's prefill round runs one forward per part (its rows'
+prompts, or their suffixes after one shared few-shot prefix), each sent on as it is done; the last rank samples
+once all are in.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ Op = Literal["recv", "forward", "send", "head", "recv_ids", "send_ids", "sample"
 
 @dataclass(frozen=True)
 class Step:
-    """One thing a rank does: `op` on micro-batch `micro`; recv/send name the neighbour (`peer`)."""
+    """One thing a rank does: `op` on micro-batch `micro`; recv/send name the neighbour (`peer`); `forward`: which
+    of the round's forwards a recv, forward or send belongs to (a decoding micro-batch's prefill runs one per part)."""
 
     op: Op
     micro: int
     peer: int | None = None
+    forward: int = 0
 
 
 def rank_steps(rank: int, size: int, micros: int) -> list[Step]:
@@ -63,30 +67,35 @@ def round_opening(rank: int, size: int, micro: int, *, first: bool) -> list[Step
     return [] if first or rank == size - 1 else [Step("recv_ids", micro, (rank - 1) % size)]
 
 
-def round_steps(rank: int, size: int, micro: int, *, first: bool, done: bool = False) -> list[Step]:
+def round_steps(rank: int, size: int, micro: int, *, first: bool, done: bool = False, forwards: int = 1) -> list[Step]:
     """The rest of the round on `rank`, once its ids are known: pass the ids on (ranks before the last but one;
-    not in the prefill round); then, unless the round closes the micro-batch (`done`: every row finished),
-    receive the hidden state (ranks > 0), run this rank's layers, and send the hidden state on, or on the last
-    rank sample the new ids and send them to rank 0."""
+    not in the prefill round); then, unless the round closes the micro-batch (`done`: every row finished), per
+    forward of the round (`forwards`: a prefill runs one per part of the micro-batch, each its rows' prompts or
+    their suffixes after one shared prefix), receive the hidden state (ranks > 0), run this rank's layers, and
+    send the hidden state on; the last rank then samples the new ids and sends them to rank 0."""
     steps = [] if first or rank >= size - 2 else [Step("send_ids", micro, rank + 1)]
     if done:
         return steps
-    if rank > 0:
-        steps.append(Step("recv", micro, rank - 1))
-    steps.append(Step("forward", micro))
-    if rank < size - 1:
-        return [*steps, Step("send", micro, rank + 1)]
-    return [*steps, Step("sample", micro), Step("send_ids", micro, 0)]
+    for k in range(forwards):
+        if rank > 0:
+            steps.append(Step("recv", micro, rank - 1, k))
+        steps.append(Step("forward", micro, forward=k))
+        if rank < size - 1:
+            steps.append(Step("send", micro, rank + 1, k))
+    return steps if rank < size - 1 else [*steps, Step("sample", micro), Step("send_ids", micro, 0)]
 
 
-def decode_steps(rank: int, size: int, rounds: list[int]) -> list[Step]:
-    """Rank `rank`'s whole decode when micro-batch m runs `rounds[m]` forwards (then one closing round), every
-    live micro-batch taking its round in turn: what the runner (worker.split.decode) does, as a plan."""
+def decode_steps(rank: int, size: int, rounds: list[int], prefills: list[int] | None = None) -> list[Step]:
+    """Rank `rank`'s whole decode when micro-batch m runs `rounds[m]` rounds (then one closing round), its prefill
+    round `prefills[m]` forwards (default 1), every live micro-batch taking its round in turn: what the runner
+    (worker.split.decode) does, as a plan."""
     steps: list[Step] = []
     for t in range(max(rounds, default=0) + 1):
         for m, n in enumerate(rounds):
             if t <= n:
-                steps += round_opening(rank, size, m, first=t == 0) + round_steps(rank, size, m, first=t == 0, done=t == n)
+                forwards = prefills[m] if prefills and t == 0 else 1
+                steps += round_opening(rank, size, m, first=t == 0)
+                steps += round_steps(rank, size, m, first=t == 0, done=t == n, forwards=forwards)
     return steps
 
 
