@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,11 +151,17 @@ class _Rank:
             self.answer(micro)
 
     def answer(self, micro: Micro) -> None:
-        out = micro.rows.add(self.rows) if micro.rows is not None else micro.head(self.hidden) if micro.head else None
-        if out is not None:
+        """The last rank's numbers: the head's, or the captured rows (their own points' computed by "forward": only
+        a stack is left, not counted as busy, so a rank past the job's reach shows no busy time)."""
+        if micro.rows is not None:
+            self.collect(micro.rows.add(self.rows))
+        elif micro.head is not None:
+            out = micro.head(self.hidden)
             timed("busy", [out])
             self.collect(out)
-            CLOCK.micros += 1
+        else:
+            return
+        CLOCK.micros += 1
 
     def drain(self) -> None:
         """Wait for the send in flight, if any (a send nobody evaluates never happens: this one was started)."""
@@ -164,16 +170,17 @@ class _Rank:
             self.sending = None
 
 
-def run(lm: Any, micros: Sequence[Micro], collect: Callable[[Any], None], reach: int | None = None) -> bool:
+def run(lm: Any, micros: list[Micro], collect: Callable[[Any], None], reach: int | None = None) -> bool:
     """Run `micros` through this rank's stage of the pipeline; `collect(numbers)` per micro-batch on the last rank.
     `reach`: the last rank whose layers the job needs (capture: the deepest point's; default the last rank); rows
-    ride forward when the micro-batches carry them (all alike: a job is scoring or capture). Returns whether this
-    rank is the last (the one holding the numbers)."""
+    ride forward when the micro-batches carry them (all alike: a job is scoring or capture). Consumes `micros`:
+    each entry is let go (None) once done, so its caches go with it. Returns whether this rank is the last (the
+    one holding the numbers)."""
     group = lm.group
     rank, size = group.rank(), group.size()
     rows = any(m.rows is not None for m in micros)
     steps = rank_steps(rank, size, len(micros), rows=rows, reach=reach)
-    state = _Rank(group, list(micros), collect, {s.micro for s in steps if s.op == "send"})
+    state = _Rank(group, micros, collect, {s.micro for s in steps if s.op == "send"})
     with passing(lm.model, state.pipe):
         for step in steps:
             state.step(step)
