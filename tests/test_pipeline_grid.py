@@ -203,3 +203,18 @@ def test_no_collective_runs_per_batch_and_only_reached_ranks_compute(ring, unspl
     busy = [report["busy"][name] for report in reports]
     assert busy[0]["capture_rank0"] > 0 and all(b["capture_rank0"] == 0 for b in busy[1:])
     assert all(b[label] > 0 for b in busy for label in ("capture_resid", "grid_ll_b3", "grid_greedy"))
+
+
+def test_capture_with_sends_overlapped_keeps_its_rows(models, monkeypatch):
+    """worker.split.stages.OVERLAP (each hidden-state send on a stream of its own): the rows sent after it still
+    reach the next rank after it, K = 3."""
+    monkeypatch.setenv("ORCHARD_PIPELINE_OVERLAP", "1")
+    CONFIGS.setdefault("stories", json.loads((Path(models["stories"]) / "config.json").read_text()))
+    label, job, reqs, batching = _captures("stories", 3)[0]
+    want = list(run(load(str(models["stories"])), job, reqs, batching))
+    reports = run_split({"stories": models["stories"]}, Grouping(size=3, split="pipeline"), [("stories", job, reqs, batching)],
+                        timeout=300)  # fmt: skip
+    got = reports[-1]["results"][0]
+    assert not isinstance(got, str), got
+    assert all(_close(g, w) for g, w in zip(got, want, strict=True))
+    assert reports[0]["clock"].wait > 0  # rank 0 waited on its sends in flight

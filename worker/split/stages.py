@@ -146,6 +146,7 @@ class _Rank:
         elif step.op == "send":
             timed("wait", [mx.distributed.send(pipe.out, step.peer, group=self.group)])
         elif step.op == "send_rows":
+            self.drain()  # after the hidden state in flight (OVERLAP): the next rank receives them in this order
             timed("wait", [mx.distributed.send(micro.rows.add(self.rows), step.peer, group=self.group)])
         else:  # "head", the last rank: the numbers, read back here
             self.answer(micro)
