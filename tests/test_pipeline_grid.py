@@ -24,6 +24,7 @@ from worker.jobs import run
 from worker.load import load
 from worker.spec import Batching, Grouping, Intervention, Job, Steering
 from worker.split.plan import pipeline_ranges
+from worker.split.schedule import rank_steps
 
 CONFIGS: dict[str, dict] = {}  # each model's config.json: the split's layer plan is made from it
 HIDDEN = 64
@@ -218,3 +219,22 @@ def test_capture_with_sends_overlapped_keeps_its_rows(models, monkeypatch):
     assert not isinstance(got, str), got
     assert all(_close(g, w) for g, w in zip(got, want, strict=True))
     assert reports[0]["clock"].wait > 0  # rank 0 waited on its sends in flight
+
+
+# --- the capture plan (worker.split.schedule.rank_steps with rows and reach), pure --------------------------------
+
+
+@pytest.mark.parametrize("size,reach", [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2), (5, 2)])
+def test_captured_rows_ride_to_the_last_rank_and_the_hidden_state_stops_at_the_reach(size, reach):
+    micros = 4
+    plans = [rank_steps(r, size, micros, rows=True, reach=reach) for r in range(size)]
+    for r in range(size - 1):  # each link carries, in order per micro-batch, the hidden state (up to reach), then the rows
+        sent = [(s.op, s.micro) for s in plans[r] if s.op in ("send", "send_rows")]
+        got = [({"recv": "send", "recv_rows": "send_rows"}[s.op], s.micro) for s in plans[r + 1] if s.op in ("recv", "recv_rows")]
+        assert sent == got == [(op, m) for m in range(micros) for op in (("send",) if r < reach else ()) + ("send_rows",)]
+    for r, plan in enumerate(plans):
+        assert [s.micro for s in plan if s.op == "forward"] == (list(range(micros)) if r <= reach else [])
+        assert [s.micro for s in plan if s.op == "head"] == (list(range(micros)) if r == size - 1 else [])
+    assert rank_steps(1, 3, 2) == rank_steps(1, 3, 2, rows=False, reach=2)  # scoring's plan: the defaults
+    with pytest.raises(ValueError, match="reach 3 is outside a pipeline of 3"):
+        rank_steps(0, 3, 2, reach=3)

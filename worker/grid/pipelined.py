@@ -27,7 +27,7 @@ on prompt positions side by side there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..generate import GenRequest, texts
@@ -102,22 +102,32 @@ def generation(lm: LoadedModel, installs: Sequence[list], requests: Sequence[Gen
     reqs, rows = decode.micro_rows(lm, requests, batching.batch_size, per_config)
     micros: list[Any] = [_Steered(lm, [reqs[i] for i in idx], last, c, idx) for c in range(len(installs)) for idx in rows]
     ids: list[list[Any]] = [[[] for _ in installs] for _ in requests]  # a request no micro-batch holds generates nothing
-    poisoned = False
-    window = max(ring.size, len(rows))  # in flight at once: one configuration's job's worth of KV, K at least
-    live, admitted = list(range(min(window, len(micros)))), min(window, len(micros))
+    poisoned = []
+
+    def closed(micro: _Steered) -> None:
+        poisoned.append(micro.poisoned)
+        for i, out in zip(micro.index, micro.generated if last else ()):
+            ids[i][micro.config] = out
+
     with lm.hooks.installed(side_by_side(installs)), passing(lm.model, ring.pipe):
-        while live:  # every live micro-batch takes its round in turn; a closed one lets the next one in, on every rank alike
-            kept = [m for m in live if ring.round(m, micros[m])]
-            for m in [m for m in live if m not in kept]:  # closed: keep its ids, let its KV go
-                poisoned |= micros[m].poisoned
-                for i, out in zip(micros[m].index, micros[m].generated if last else ()):
-                    ids[i][micros[m].config] = out
-                micros[m] = None
-            fresh = min(len(micros), admitted + window - len(kept))
-            live, admitted = kept + list(range(admitted, fresh)), fresh
-    if poisoned:
+        _rounds(ring, micros, max(ring.size, len(rows)), closed)  # one configuration's job's worth of KV, K at least
+    if any(poisoned):
         raise ValueError(f"{NON_FINITE}: check the model's weights and the steering")
     if not last:
         return [[None] * len(installs) for _ in requests]
     by_config = [texts(lm, [ids[i][c] for i in range(len(requests))], requests) for c in range(len(installs))]
     return [list(row) for row in zip(*by_config)]
+
+
+def _rounds(ring: Any, micros: list, window: int, closed: Callable[[Any], None]) -> None:
+    """Every live micro-batch takes its round in turn (worker.split.schedule.decode_steps), at most `window` live:
+    one that closes is handed to `closed` and let go (its KV), and the next one comes in. A micro-batch closes in
+    the same round on every rank (its ids say so), so every rank lets the same ones in, in the same order."""
+    live, admitted = list(range(min(window, len(micros)))), min(window, len(micros))
+    while live:
+        kept = [m for m in live if ring.round(m, micros[m])]
+        for m in [m for m in live if m not in kept]:
+            closed(micros[m])
+            micros[m] = None
+        fresh = min(len(micros), admitted + window - len(kept))
+        live, admitted = kept + list(range(admitted, fresh)), fresh
