@@ -21,8 +21,8 @@ n layers, the unsplit grid does about n + C n / 2 block passes per batch; pipeli
 each rank does C n / K, so a group of 2 matches one unsplit worker with sharing and K ranks give about K / 2 of it
 (sharing below each split inside the last rank's own blocks would cut its C n / 2 to about 3 C n / 8 at K = 2 and
 7 C n / 32 of C n / 4 at K = 4: 25 % and 12.5 %, not done). Generation on prompts that share a prefix stays on the
-lockstep grid (worker.split.decode.pipelines, as plain generate), which also keeps decoding configurations alike
-on prompt positions side by side there.
+lockstep grid (`pipelines`), which computes the prefix's KV once and decodes configurations alike on prompt
+positions side by side; pipelined, each configuration runs its own prompts.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..generate import GenRequest, texts
+from ..generate import GenRequest, families, texts
 from ..load import LoadedModel
 from ..sampling import NON_FINITE
 from ..score import _micros, _rows
@@ -42,9 +42,11 @@ from .passes import _installs, splits_prompt
 
 
 def pipelines(lm: LoadedModel, kind: str, requests: Sequence, batching: Batching) -> bool:
-    """Whether this grid job runs pipelined: on a pipeline group, scoring always, generation as plain generate
-    does (prompts sharing no prefix: worker.split.decode.pipelines)."""
-    return stages.pipelined(lm) and (kind == "loglikelihood" or decode.pipelines(lm, requests, batching))
+    """Whether this grid job runs pipelined: on a pipeline group, scoring always, generation on prompts sharing no
+    prefix (`generation` runs every row's whole prompt; a shared prefix's KV is computed once on the lockstep grid)."""
+    if not stages.pipelined(lm):
+        return False
+    return kind == "loglikelihood" or all(len(g) == 1 for g in families(requests, lm.max_length, batching.prefix_reuse))
 
 
 def run(lm: LoadedModel, kind: str, steerings: Sequence, requests: Sequence, batching: Batching) -> list[list]:
