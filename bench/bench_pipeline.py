@@ -13,7 +13,11 @@ both kernels on one ring, alternating; the anchor and the group alternate too, a
 (worker.split.stages.OVERLAP). Every run must agree with the anchor within 1e-5. Busy: the share of the job each rank spent computing
 (worker.split.stages.CLOCK), the rest waiting in transfers. Generation: --gen-rows distinct prompts, and as many
 few-shot prompts (one --shot-tokens prefix shared by all, each its own --tokens question: its KV computed once
-per job, the store holding no earlier copy), greedy, --new-tokens each, texts compared with the anchor's.
+per job, the store holding no earlier copy), greedy, --new-tokens each, texts compared with the anchor's. Capture
+and grid rows (issue 26.3): each document's context captured at its last token at --points (one on each rank),
+unsplit vs pipelined; a loglikelihood grid of --grid-docs documents x (unsteered + one configuration per layer),
+the unsplit grid (blocks below each split run once) and each configuration alone on one worker vs the pipelined
+group (worker.grid.pipelined).
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def launch(task: dict, size: int, folder: Path, split: str = "pipeline", paralle
         paths = [folder / f"{name}w{w}.pkl" for w in range(parallel)]
         for w, path in enumerate(paths):
             path.write_bytes(pickle.dumps({**task, "size": 1, "split": split, "reqs": _share(task["reqs"], w, parallel),
-                                           "gen": task["gen"][w::parallel], "fewshot": []}))  # fmt: skip
+                                           "gen": task["gen"][w::parallel], "fewshot": [], "more": False}))  # fmt: skip
     else:
         task = {**task, "size": size, "split": split, "hostfile": [free_address("127.0.0.1") for _ in range(size)]}
         paths = [folder / f"{name}.pkl"] * size
@@ -140,6 +144,39 @@ def _kernels(size: int, split: str) -> tuple[dict, dict]:
             {"gen_pipelined": (pipelined_generate, "gen"), "fewshot_pipelined": (pipelined_generate, "fewshot")})  # fmt: skip
 
 
+def _steerings(layers: int, hidden: int) -> list:
+    """The grid: unsteered, and one configuration steering each layer (a random direction, alpha 2)."""
+    import numpy as np
+
+    from worker.spec import Intervention, Steering
+
+    rng = np.random.default_rng(3)
+    return [Steering()] + [Steering(interventions=(Intervention(layer=layer, vector=tuple(rng.standard_normal(hidden).tolist()),
+                                                                alpha=2.0),)) for layer in range(layers)]  # fmt: skip
+
+
+def _each_alone(lm, steerings, reqs, batching) -> list:
+    """The grid one configuration at a time ([request][configuration], as run_grid gives it): no sharing."""
+    from worker.jobs import run
+    from worker.spec import Job
+
+    cols = [run(lm, Job(kind="loglikelihood", steering=s), reqs, batching) for s in steerings]
+    return [list(row) for row in zip(*cols)]
+
+
+def _more_kernels(size: int, split: str, task: dict) -> dict:
+    """Capture and grid kernels, {name: (kernel(lm, requests, batching), the task's requests key)} (issue 26.3)."""
+    from worker.capture import capture, pipelined_capture
+    from worker.grid import run_grid
+
+    points, steerings = task["points"], task["steerings"]
+    cap = lambda kernel: (lambda lm, reqs, b: kernel(lm, reqs, points, b), "cap")  # noqa: E731
+    grid = (lambda lm, reqs, b: run_grid(lm, "loglikelihood", steerings, reqs, b), "grid")
+    if size == 1:
+        return {"cap_unsplit": cap(capture), "grid_unsplit": grid, "grid_alone": (lambda lm, reqs, b: _each_alone(lm, steerings, reqs, b), "grid")}
+    return {"cap_pipelined": cap(pipelined_capture), "grid_pipelined": grid} if split == "pipeline" else {}
+
+
 def rank_main(task_path: str, rank: int) -> None:
     """A rank (or the anchor, size 1): load, warm up, then run each kernel named in the task, timed."""
     os.sched_setaffinity(0, {rank % os.cpu_count()})
@@ -164,6 +201,9 @@ def rank_main(task_path: str, rank: int) -> None:
         report[name] = _timed(lm, kernel, task["reqs"], batching, group)
     for name, (kernel, prompts) in gens.items():
         report[name] = _timed(lm, kernel, task[prompts], gen_batching[prompts], group)
+    for name, (kernel, key) in (_more_kernels(size, task["split"], task) if task.get("more", True) else {}).items():
+        kernel(lm, task[key][:8], batching)  # warm-up
+        report[name] = _timed(lm, kernel, task[key], batching, group)
     Path(task_path).with_suffix(f".rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 
@@ -190,7 +230,27 @@ ROWS = {  # table row: (launch kind, kernel name)
     "generate: 1 group of 2, pipelined": ("group", "gen_pipelined"),
     "generate few-shot: 1 unsplit worker (anchor)": ("anchor", "fewshot_unsplit"),
     "generate few-shot: 1 group of 2, pipelined": ("group", "fewshot_pipelined"),
+    "capture: 1 unsplit worker (anchor)": ("anchor", "cap_unsplit"),
+    "capture: 1 group of 2, pipelined": ("group", "cap_pipelined"),
+    "grid: 1 unsplit worker, shared blocks (anchor)": ("anchor", "grid_unsplit"),
+    "grid: 1 unsplit worker, each alone": ("anchor", "grid_alone"),
+    "grid: 1 group of 2, pipelined": ("group", "grid_pipelined"),
 }
+ANCHORS = {"generate": "generate: 1 unsplit worker (anchor)", "generate few-shot": "generate few-shot: 1 unsplit worker (anchor)",
+           "capture": "capture: 1 unsplit worker (anchor)",
+           "grid": "grid: 1 unsplit worker, shared blocks (anchor)"}  # fmt: skip
+
+
+def _anchor(name: str) -> str:
+    return ANCHORS.get(name.partition(":")[0], "1 unsplit worker (anchor)")
+
+
+def _worst(best: dict, anchor: str, values) -> float:
+    """Max |difference| between the numbers (`values(row)`: an array) of each row measured against `anchor` and its."""
+    import numpy as np
+
+    rows = [row for name, row in best.items() if _anchor(name) == anchor]
+    return max(float(np.abs(values(row) - values(best[anchor])).max()) for row in rows)
 
 
 def _launch_all(task: dict, folder: Path) -> dict:
@@ -201,7 +261,9 @@ def _launch_all(task: dict, folder: Path) -> dict:
 def measure(args, model: Path, reqs: list, gen: dict, folder: Path) -> tuple[dict, dict]:
     """Interleaved runs: {config: [seconds...]}, and the best run's row per config. `gen`: the generation prompts
     by kind (gen, fewshot, and each one's _warm)."""
-    task = {"model": str(model), "reqs": reqs, "batch": args.batch, **gen, "gen_batch": args.gen_batch}
+    task = {"model": str(model), "reqs": reqs, "batch": args.batch, **gen, "gen_batch": args.gen_batch,
+            "cap": [(ctx, -1) for ctx, _ in reqs[::4]], "points": args.points, "grid": reqs[: 4 * args.grid_docs],
+            "steerings": _steerings(args.layers, args.hidden)}  # fmt: skip
     runs: dict = {name: [] for name in ROWS}
     best: dict = {}
     for _ in range(args.repeat):
@@ -215,25 +277,30 @@ def measure(args, model: Path, reqs: list, gen: dict, folder: Path) -> tuple[dic
 
 
 def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> None:
+    import numpy as np
+
     anchor = best["1 unsplit worker (anchor)"]
-    anchors = {kind: best[f"{kind}: 1 unsplit worker (anchor)"] for kind in ("generate", "generate few-shot")}
-    scoring = [row for name, row in best.items() if not name.startswith("generate")]
-    worst = max(abs(a[0] - b[0]) for row in scoring for a, b in zip(row["results"], anchor["results"]))
-    same = [sum(a == b for a, b in zip(best[f"{kind}: 1 group of 2, pipelined"]["results"], row["results"])) for kind, row in anchors.items()]
+    worst = _worst(best, "1 unsplit worker (anchor)", lambda row: np.array([lp for lp, _ in row["results"]]))
+    worst_cap = _worst(best, ANCHORS["capture"], lambda row: np.array(row["results"]))
+    worst_grid = _worst(best, ANCHORS["grid"], lambda row: np.array([[lp for lp, _ in r] for r in row["results"]]))
+    same = [sum(a == b for a, b in zip(best[f"{kind}: 1 group of 2, pipelined"]["results"], best[ANCHORS[kind]]["results"]))
+            for kind in ("generate", "generate few-shot")]  # fmt: skip
     load = os.getloadavg()
     print(f"\nrandom llama hidden={args.hidden} layers={args.layers} ({weights_mb:.0f} MB); {args.docs} documents x 4 choices "
           f"of {args.tokens} tokens; batch {args.batch} ({-(-args.docs // args.batch)} micro-batches); generate {args.gen_rows} rows x "
           f"{args.new_tokens} tokens, batch {args.gen_batch} (few-shot: a {args.shot_tokens}-token prefix shared); one core and one BLAS thread per process ({anchor['blas']}); "
           f"load average {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
     print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5); generated texts identical {same[0]}/{args.gen_rows}, "
-          f"few-shot {same[1]}/{args.gen_rows}")
-    print(f"| {'run':<44} | best s | all runs (s) | vs anchor | busy per rank |")
-    print(f"|{'-' * 46}|-------:|-------------:|----------:|---------------|")
+          f"few-shot {same[1]}/{args.gen_rows}; captured rows max |d| {worst_cap:.1e}; grid max |dLL| {worst_grid:.1e}")
+    print(f"capture: {len(best['capture: 1 unsplit worker (anchor)']['results'])} rows at {', '.join(args.points)}; grid: "
+          f"{args.grid_docs} documents x {args.layers + 1} configurations (unsteered, one per layer)")
+    print(f"| {'run':<46} | best s | all runs (s) | vs anchor | busy per rank |")
+    print(f"|{'-' * 48}|-------:|-------------:|----------:|---------------|")
     for name, row in best.items():
-        base = anchors.get(name.partition(":")[0], anchor)
+        base = best[_anchor(name)]
         busy = " ".join(f"{b:.2f}" for b in row["busy"]) if "pipelined" in name else "-"
         all_runs = " ".join(f"{s:.2f}" for s in runs[name])
-        print(f"| {name:<44} | {row['seconds']:6.2f} | {all_runs:>12} | {base['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
+        print(f"| {name:<46} | {row['seconds']:6.2f} | {all_runs:>12} | {base['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
     dp = best["2 unsplit workers, data parallel"]["seconds"]
     print(f"pipelined group of 2 vs 2 data-parallel workers: {dp / best['1 group of 2, pipelined']['seconds']:.2f}x (target >= 0.85)")
 
@@ -262,11 +329,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--gen-batch", type=int, default=16)
     parser.add_argument("--shot-tokens", type=int, default=256)
+    parser.add_argument("--grid-docs", type=int, default=32)
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.task:
         return rank_main(args.task, args.rank)
+    args.points = (f"resid_post.{args.layers // 2 - 1}", f"resid_post.{args.layers - 1}")  # one on each rank
     from testbed.models import write_model
     from worker.load import weights_bytes
 

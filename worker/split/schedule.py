@@ -7,6 +7,13 @@ the last rank only, run the head (final norm, vocabulary head, log-softmax, the 
 Transfers go to ring neighbours only and need no header: every rank cuts the same micro-batches from the job.
 No step is a collective.
 
+Capture (`rows=True`, `reach`) answers from the last rank too (worker.split.plan.answering_rank: the one place that
+says which rank's results are the group's): the captured rows ride forward to it. Each rank receives the rows
+gathered so far, fills in the points its layers own, and sends them on (recv_rows / send_rows: [rows, points,
+width] float32, small beside a hidden state); the last rank's "head" reads them. The hidden state goes only as
+far as the rank owning the deepest point (`reach`): the ranks past it run no layers, as the unsplit capture runs
+no block past its deepest point, and only pass the rows on.
+
 Decoding (`round_opening`, `round_steps`) goes round the whole ring instead: a round of a micro-batch is one
 forward of its live rows (the prefill, then one new token a round); the last rank samples and sends the new ids
 to rank 0 (its ring neighbour), which feeds them to the next round. The ids travel on from rank 0 towards the
@@ -23,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Op = Literal["recv", "forward", "send", "head", "recv_ids", "send_ids", "sample"]
+Op = Literal["recv", "forward", "send", "head", "recv_ids", "send_ids", "sample", "recv_rows", "send_rows"]
 
 
 @dataclass(frozen=True)
@@ -37,16 +44,28 @@ class Step:
     forward: int = 0
 
 
-def rank_steps(rank: int, size: int, micros: int) -> list[Step]:
-    """Rank `rank`'s steps, in order, for `micros` micro-batches through `size` stages."""
+def rank_steps(rank: int, size: int, micros: int, *, rows: bool = False, reach: int | None = None) -> list[Step]:
+    """Rank `rank`'s steps, in order, for `micros` micro-batches through `size` stages. `rows`: captured rows ride
+    forward to the last rank; `reach`: the last rank whose layers the job needs (default: the last rank)."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a pipeline of {size}: give a rank in 0..{size - 1}")
+    reach = size - 1 if reach is None else reach
+    if not 0 <= reach < size:
+        raise ValueError(f"reach {reach} is outside a pipeline of {size}: give a rank in 0..{size - 1}")
     steps: list[Step] = []
     for m in range(micros):
-        if rank > 0:
+        if 0 < rank <= reach:
             steps.append(Step("recv", m, rank - 1))
-        steps.append(Step("forward", m))
-        steps.append(Step("send", m, rank + 1) if rank < size - 1 else Step("head", m))
+        if rows and rank > 0:
+            steps.append(Step("recv_rows", m, rank - 1))
+        if rank <= reach:
+            steps.append(Step("forward", m))
+        if rank < reach:
+            steps.append(Step("send", m, rank + 1))
+        if rows and rank < size - 1:
+            steps.append(Step("send_rows", m, rank + 1))
+        if rank == size - 1:
+            steps.append(Step("head", m))
     return steps
 
 
