@@ -1,0 +1,271 @@
+"""Sweep axes over SAE features and conditions (issue 28): `top: K` features of an SAE ranked by their mean activation
+on a prompt set (captured on the workers, encoded with the SAE's own encoder), and `grid.thresholds` under a CAST
+`condition:`, each configuration equal to a plain (or conditional) steered run of it.
+
+The encoder is checked against sparsify's own `SparseCoder.encode` (the installed test-only oracle) and, where it is
+installed, sae-lens' (tests/test_steer_saes.py says why sae-lens is not a test extra); the other layouts against the
+formula each library's code computes, written out here in numpy."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+from driver.cli import main
+from driver.steering.encoders import capture_requests, ranked, read_encoder
+from driver.steering.saes import SaeError, read_sae
+
+torch = pytest.importorskip("torch")
+
+HIDDEN, N_LATENTS = 64, 12
+PROMPTS = ["Once upon a time a girl felt", "The king said he was", "At night the cat was very", "Dog"]
+
+
+def sweep_cli(*args) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["sweep", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def write_sparsify(folder: Path, seed: int, k: int = 4, activation: str | None = None) -> tuple[np.ndarray, ...]:
+    """A sparsify folder (SparseCoder.save_to_disk's layout) with an encoder of its own, not the decoder's transpose."""
+    rng = np.random.default_rng(seed)
+    w_enc, b_enc = rng.standard_normal((N_LATENTS, HIDDEN)).astype(np.float32), rng.standard_normal(N_LATENTS).astype(np.float32)
+    w_dec, b_dec = rng.standard_normal((N_LATENTS, HIDDEN)).astype(np.float32), 3 * rng.standard_normal(HIDDEN).astype(np.float32)
+    folder.mkdir(parents=True)
+    save_file({"encoder.weight": w_enc, "encoder.bias": b_enc, "W_dec": w_dec, "b_dec": b_dec}, str(folder / "sae.safetensors"))
+    cfg = {"num_latents": N_LATENTS, "k": k, "d_in": HIDDEN, "multi_topk": False, "skip_connection": False, "transcode": False}
+    (folder / "cfg.json").write_text(json.dumps(cfg | ({"activation": activation} if activation else {})))
+    return w_enc, b_enc, w_dec, b_dec
+
+
+def write_sae_lens(folder: Path, seed: int, hook: str, **cfg) -> dict[str, np.ndarray]:
+    """sae-lens 6's SAE.save_model layout with an encoder (W_enc [d_in, d_sae]); `threshold` for jumprelu."""
+    rng = np.random.default_rng(seed)
+    t = {"W_enc": rng.standard_normal((HIDDEN, N_LATENTS)), "b_enc": rng.standard_normal(N_LATENTS), "W_dec": rng.standard_normal((N_LATENTS, HIDDEN)),
+         "b_dec": 3 * rng.standard_normal(HIDDEN), "threshold": np.abs(rng.standard_normal(N_LATENTS))}  # fmt: skip
+    t = {k: v.astype(np.float32) for k, v in t.items() if k != "threshold" or cfg.get("architecture") == "jumprelu"}
+    folder.mkdir(parents=True)
+    save_file(t, str(folder / "sae_weights.safetensors"))
+    (folder / "cfg.json").write_text(json.dumps({"d_in": HIDDEN, "d_sae": N_LATENTS, "dtype": "float32", "architecture": "standard",
+                                                 "apply_b_dec_to_input": True, "normalize_activations": "none",
+                                                 "metadata": {"hook_name": hook}} | cfg))  # fmt: skip
+    return t
+
+
+# --- the encoder, per layout --------------------------------------------------------------------------------
+
+
+def sparsify_encode(folder: Path, x: np.ndarray) -> np.ndarray:
+    """sparsify's own encoder (SparseCoder.load_from_disk + encode), its top-k activations made dense."""
+    sparsify = pytest.importorskip("sparsify")
+    coder = sparsify.SparseCoder.load_from_disk(folder, device="cpu")
+    with torch.no_grad():
+        out = coder.encode(torch.tensor(x))
+    dense = torch.zeros(len(x), coder.num_latents).scatter_(1, out.top_indices, out.top_acts)
+    return dense.numpy()
+
+
+def sae_lens_formula(t: dict[str, np.ndarray], x: np.ndarray, arch: str, k: int | None = None, rescale: bool = False) -> np.ndarray:
+    """sae-lens' encode (StandardSAE, JumpReLUSAE, TopKSAE: saes/*.py) written out: pre = (x - b_dec) W_enc + b_enc."""
+    pre = (x - t["b_dec"]) @ t["W_enc"] + t["b_enc"]
+    if rescale:
+        pre = pre * np.linalg.norm(t["W_dec"], axis=1)
+    if arch == "jumprelu":
+        return np.maximum(pre, 0) * (pre > t["threshold"])
+    if arch == "topk":
+        keep = np.zeros_like(pre, dtype=bool)
+        np.put_along_axis(keep, np.argsort(-pre, axis=1)[:, :k], True, axis=1)
+        return np.maximum(pre, 0) * keep
+    return np.maximum(pre, 0)
+
+
+def orchard_dense(folder: Path, x: np.ndarray) -> np.ndarray:
+    """Orchard's activations [tokens, d_sae] (one token per weight row: mean_activation over a one-hot weighting)."""
+    enc = read_encoder(read_sae(folder))
+    return np.stack([enc.mean_activation(x, np.eye(len(x))[t]) for t in range(len(x))])
+
+
+@pytest.mark.parametrize("blocks", [1 << 24, 7 * 5])  # one block, and blocks of 7 features (5 tokens): merged across blocks
+def test_the_encoder_of_each_layout_gives_its_librarys_activations(tmp_path, monkeypatch, blocks):
+    from driver.steering import encoders
+
+    monkeypatch.setattr(encoders, "_BLOCK", blocks)
+    x = np.random.default_rng(0).standard_normal((5, HIDDEN)).astype(np.float32) * 2
+    write_sparsify(tmp_path / "sp", 1, k=3)
+    assert np.allclose(orchard_dense(tmp_path / "sp", x), sparsify_encode(tmp_path / "sp", x), atol=1e-4)
+    write_sparsify(tmp_path / "gm", 2, k=4, activation="groupmax")
+    assert np.allclose(orchard_dense(tmp_path / "gm", x), sparsify_encode(tmp_path / "gm", x), atol=1e-4)
+    for arch, extra in (("standard", {}), ("jumprelu", {}), ("topk", {"k": 3}), ("topk", {"k": 5, "rescale_acts_by_decoder_norm": True})):
+        t = write_sae_lens(tmp_path / f"sl-{arch}-{len(extra)}", 3, "blocks.1.hook_resid_post", architecture=arch, **extra)
+        want = sae_lens_formula(t, x, arch, extra.get("k"), bool(extra.get("rescale_acts_by_decoder_norm")))
+        assert np.allclose(orchard_dense(tmp_path / f"sl-{arch}-{len(extra)}", x), want, atol=1e-4), arch
+        assert (want > 0).any() and (want == 0).any()
+    rng = np.random.default_rng(4)
+    w, b = rng.standard_normal((N_LATENTS, HIDDEN)).astype(np.float32), rng.standard_normal(N_LATENTS).astype(np.float32)
+    save_file({"encoder_linear.weight": w, "encoder_linear.bias": b, "decoder_linear.weight": w.T.copy(),
+               "decoder_linear.bias": np.zeros(HIDDEN, np.float32)}, str(tmp_path / "gf.safetensors"))  # fmt: skip
+    assert np.allclose(orchard_dense(tmp_path / "gf.safetensors", x), np.maximum(x @ w.T + b, 0), atol=1e-4)  # Goodfire: relu(Wx + b)
+
+
+def test_sae_lens_itself_encodes_as_orchard_reads_its_saved_folder(tmp_path):
+    """Where sae-lens is installed (not a test extra: see test_steer_saes): StandardSAE, JumpReLUSAE and TopKSAE saved
+    by SAE.save_model, encoded by sae-lens and by Orchard."""
+    sae_lens = pytest.importorskip("sae_lens")
+    x = np.random.default_rng(5).standard_normal((6, HIDDEN)).astype(np.float32) * 2
+    made = [(sae_lens.StandardSAE, sae_lens.StandardSAEConfig, {}), (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig, {}),
+            (sae_lens.TopKSAE, sae_lens.TopKSAEConfig, {"k": 3})]  # fmt: skip
+    for n, (cls, config, extra) in enumerate(made):
+        sae = cls(config(d_in=HIDDEN, d_sae=N_LATENTS, **extra))
+        sae.cfg.metadata.hook_name = "blocks.1.hook_resid_post"
+        with torch.no_grad():
+            for p in sae.parameters():
+                p.normal_()
+        sae.save_model(tmp_path / f"s{n}")
+        with torch.no_grad():
+            want = sae.encode(torch.tensor(x)).numpy()
+        assert np.allclose(orchard_dense(tmp_path / f"s{n}", x), want, atol=1e-4), cls.__name__
+        assert (want > 0).any() and (want == 0).any()
+
+
+def test_capture_weights_skip_the_bos_and_weigh_each_prompt_once_and_ranking_breaks_ties_by_index():
+    requests, weights = capture_requests([[1, 5, 6, 7], [1, 9], [4, 2]], prefix=1)
+    assert requests == [((1, 5, 6, 7), 1), ((1, 5, 6, 7), 2), ((1, 5, 6, 7), 3), ((1, 9), 1), ((4, 2), 0), ((4, 2), 1)]
+    assert np.allclose(weights, [1 / 9] * 3 + [1 / 3] + [1 / 6] * 2) and abs(weights.sum() - 1) < 1e-12
+    assert ranked(np.array([0.5, 2.0, 0.5, 3.0, 0.0]), 3) == [(3, 3.0), (1, 2.0), (0, 0.5)]
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda f: (f / "sae_weights.safetensors").write_bytes(b""), "not a readable .safetensors"),
+    ("decoder only", "no encoder (W_enc): this SAE was saved with its decoder only"),
+    ({"architecture": "gated"}, "a sae-lens 'gated' SAE, whose encoder Orchard does not compute"),
+    ({"normalize_activations": "layer_norm"}, "normalize_activations 'layer_norm': Orchard encodes unnormalised inputs only"),
+    ({"architecture": "topk", "k": 40}, "cfg.json's k (40) is not a number of features this 12-feature topk SAE keeps"),
+])  # fmt: skip
+def test_an_encoder_orchard_cannot_compute_is_one_line(tmp_path, change, says):
+    t = write_sae_lens(tmp_path / "s", 6, "blocks.1.hook_resid_post")
+    if change == "decoder only":
+        save_file({k: v for k, v in t.items() if k in ("W_dec", "b_dec")}, str(tmp_path / "s" / "sae_weights.safetensors"))
+    elif callable(change):
+        change(tmp_path / "s")
+    else:
+        cfg = json.loads((tmp_path / "s" / "cfg.json").read_text())
+        (tmp_path / "s" / "cfg.json").write_text(json.dumps(cfg | change))
+    with pytest.raises(SaeError, match=re.escape(says)) as e:
+        read_encoder(read_sae(tmp_path / "s"))
+    assert "\n" not in str(e.value)
+
+
+# --- top: K through `driver sweep` --------------------------------------------------------------------------
+
+
+def captured(llama_path: Path, layer: int) -> list[np.ndarray]:
+    """resid_post.`layer` at every token of each prompt as lm-eval tokenizes it (tok_encode), in process."""
+    import mlx.core as mx
+
+    from driver.steering.vectors import head_encoder
+    from worker.hooks import Rows
+    from worker.load import load
+
+    lm, encode = load(str(llama_path)), head_encoder(llama_path)
+    out = []
+    for p in PROMPTS:
+        seen = []
+        with lm.hooks.installed([(f"resid_post.{layer}", lambda x, ctx: seen.append(x) or x)]), lm.hooks.forward(Rows()):
+            mx.eval(lm.model(mx.array([encode(p)])))
+        out.append((encode(p)[0], np.asarray(seen[0][0], dtype=np.float32)))
+    return out
+
+
+def expected_top(llama_path: Path, folder: Path, layer: int, k: int) -> list[tuple[int, float]]:
+    """The k features of highest mean activation, by sparsify's own encoder: each prompt's tokens but its BOS averaged,
+    then the prompts averaged."""
+    from driver.lm.model_setup import load_tokenizer
+
+    tok = load_tokenizer(llama_path, False)
+    per_prompt = []
+    for first, h in captured(llama_path, layer):
+        h = h[1:] if first == tok.bos_token_id and len(h) > 1 else h
+        per_prompt.append(sparsify_encode(folder, h).astype(np.float64).mean(axis=0))
+    means = np.mean(per_prompt, axis=0)
+    order = sorted(range(len(means)), key=lambda f: (-means[f], f))[:k]
+    return [(f, float(means[f])) for f in order]
+
+
+def top_study(folder: Path, llama_path: Path, extra_vectors: str = "") -> Path:
+    """A prompts-only sweep over the top 2 features of a sparsify run (an SAE per layer) on the prompts above."""
+    from test_sweep import site_study
+
+    sweep = site_study(folder, llama_path, None, "[resid_post]", {"unused.0": np.zeros(HIDDEN, np.float32)})
+    (folder / "rank.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    for layer in (0, 1):
+        write_sparsify(folder / "run" / f"layers.{layer}", 20 + layer)
+    text = sweep.read_text().replace("  v: {file: v.safetensors, normalize: true}", f"  feat: {{sae: run, top: 2, prompts: rank.jsonl}}{extra_vectors}")
+    sweep.write_text(text)
+    return sweep
+
+
+def test_a_top_k_sweep_ranks_each_layers_sae_on_the_prompts_and_equals_plain_runs(ray_cluster, llama_path, tmp_path):
+    """`{sae: RUN, top: 2, prompts: FILE}` over layers 0 and 1 on 2 workers: at each layer the two features of highest
+    mean activation on the prompts (sparsify's own encoder on activations captured here in process), recorded in
+    run.json and summary.md with their activations; every configuration equals a plain steered run of its feature."""
+    from test_sweep import assert_equals_plain_runs
+
+    from driver.sweep import report
+
+    sweep = top_study(tmp_path / "study", llama_path)
+    out = tmp_path / "out"
+    code, output = sweep_cli(sweep, "--workers", 2, "--output", out)
+    assert code == 0, output
+    facts = json.loads((out / "run.json").read_text())["top_features"]
+    want = {layer: expected_top(llama_path, tmp_path / "study" / "run" / f"layers.{layer}", layer, 2) for layer in (0, 1)}
+    assert [(t["layer"], t["site"], t["n_prompts"]) for t in facts] == [(0, "resid_post", 4), (1, "resid_post", 4)]
+    for t in facts:
+        got = [(f["feature"], f["mean_activation"]) for f in t["features"]]
+        assert [f for f, _ in got] == [f for f, _ in want[t["layer"]]], (t["layer"], got, want[t["layer"]])
+        assert np.allclose([a for _, a in got], [a for _, a in want[t["layer"]]], rtol=1e-4, atol=1e-5)
+    assert want[0] != want[1]  # each layer its own SAE, its own features
+    rows = report.read_csv(out / "results.csv")
+    assert {(r["vector"], r["layer"]) for r in rows if r["config"] != "baseline"} == {
+        (f"feat-f{f}", layer) for layer in (0, 1) for f, _ in want[layer]}
+    text = (out / "summary.md").read_text()
+    assert "## Top features" in text and f"| feat | resid_post | 1 | rank.jsonl (4, " in text
+    assert f"| {want[1][0][0]} | {want[1][0][1]:.4g} |" in text
+
+    def spec_of(r: dict) -> dict:
+        return {"layer": r["layer"], "alpha": r["alpha"], "vector": {"sae": "run", "feature": int(r["vector"].rpartition("-f")[2])}}
+
+    diffs = assert_equals_plain_runs(rows, sweep, spec_of)
+    assert len({round(d, 4) for d in diffs.values()}) == len(diffs)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (("top: 2", "top: 13"), "vectors.feat.top: 13 is past the SAE's 12 features \\(use 1..12"),
+    (("rank.jsonl", "empty.jsonl"), "vectors.feat.prompts: .*empty.jsonl: no prompts \\(the file is empty\\)"),
+    (("rank.jsonl", "missing.jsonl"), "sweep.yaml: vectors.feat: prompts: .*missing.jsonl does not exist"),
+    (("sae: run,", "sae: lens,"), "vectors.feat.sae: the SAE at .*lens reads blocks.1.hook_resid_post \\(resid_post at layer 1\\), but the intervention steers resid_post at layer 0"),
+    (("sae: run,", "sae: dec,"), "vectors.feat.sae: .*no encoder \\(W_enc\\)"),
+    (("top: 2, prompts: rank.jsonl", "top: 2"), "`top:` and `prompts:` go together"),
+    (("top: 2", "top: 2, features: [1]"), "`sae:` takes either `features: \\[..\\]`"),
+    (("layers: all\n", "layers: all\n  heads: [0]\n"), "vectors.feat.top: ranks features on a whole site's activations, not on attn_head's heads"),
+])  # fmt: skip
+def test_a_top_k_source_that_cannot_rank_is_refused_in_one_line_before_the_cluster(llama_path, tmp_path, edit, says):
+    import re
+
+    sweep = top_study(tmp_path / "study", llama_path)
+    (tmp_path / "study" / "empty.jsonl").write_text("")
+    write_sae_lens(tmp_path / "study" / "lens", 7, "blocks.1.hook_resid_post")
+    t = write_sae_lens(tmp_path / "study" / "dec", 7, "blocks.0.hook_resid_post")
+    save_file({k: v for k, v in t.items() if k in ("W_dec", "b_dec")}, str(tmp_path / "study" / "dec" / "sae_weights.safetensors"))
+    text = sweep.read_text().replace(*edit)
+    if "heads" in edit[1]:
+        text = text.replace("sites: [resid_post]", "sites: [attn_head]")
+    sweep.write_text(text)
+    code, output = sweep_cli(sweep, "--address", "127.0.0.1:1", "--output", tmp_path / "out")
+    assert code == 1 and len(output.strip().splitlines()) == 1 and re.search(says, output), output
+    assert "127.0.0.1:1" not in output and not (tmp_path / "out" / "run.json").exists()
