@@ -269,3 +269,141 @@ def test_a_top_k_source_that_cannot_rank_is_refused_in_one_line_before_the_clust
     code, output = sweep_cli(sweep, "--address", "127.0.0.1:1", "--output", tmp_path / "out")
     assert code == 1 and len(output.strip().splitlines()) == 1 and re.search(says, output), output
     assert "127.0.0.1:1" not in output and not (tmp_path / "out" / "run.json").exists()
+
+
+# --- grid.thresholds under a CAST condition ---------------------------------------------------------------------
+
+
+def cast_study(folder: Path, tasks: Path, thresholds: str, extra: str = "") -> Path:
+    """A sweep on the stories model: vector v added at layer 3 (alpha 6) only where the prompt's mean input of layer 2
+    lies along c (test_steer_condition's vectors and prompts), at `thresholds`, on two tasks and a prompt set."""
+    from test_steer_condition import ALPHA, C_LAYER, PROMPTS as STORY_PROMPTS, S_LAYER
+
+    from testbed.stories import MODEL
+
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "v.npy", np.random.default_rng(3).standard_normal(64).astype(np.float32))
+    np.save(folder / "c.npy", np.random.default_rng(7).standard_normal(64).astype(np.float32))
+    lines = [json.dumps({"prompt": p, "targets": {"positive": " happy", "negative": " sad"}}) for p in STORY_PROMPTS]
+    (folder / "stories.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "sweep.yaml").write_text(f"""model: {{pretrained: {MODEL}, batch_size: 8}}
+vectors:
+  v: {{layers: {{{S_LAYER}: v.npy}}}}
+grid: {{layers: [{S_LAYER}], alphas: [{ALPHA}], thresholds: {thresholds}}}
+condition: {{vector: c.npy, layers: [{C_LAYER}]}}
+tasks: {{names: [tinystories_mc, tinystories_gen], limit: 6, include_path: {tasks}}}
+prompts:
+  - {{file: stories.jsonl, max_gen_toks: 8}}
+{extra}""")
+    return folder / "sweep.yaml"
+
+
+def spec_at(folder: Path, threshold: float) -> dict:
+    from test_steer_condition import ALPHA, C_LAYER, S_LAYER
+
+    return {"interventions": [{"layer": S_LAYER, "vector": str(folder / "v.npy"), "alpha": ALPHA,
+                               "condition": {"vector": str(folder / "c.npy"), "layers": [C_LAYER], "threshold": threshold}}]}  # fmt: skip
+
+
+def story_target_scores(folder: Path, spec: dict) -> list[float]:
+    """The prompt set's target log-likelihoods under `spec` in one conditional run of the in-process `mlx` model."""
+    from lm_eval.api.instance import Instance
+
+    from driver.lm.mlx import MLXLM
+    from test_steer_condition import PROMPTS as STORY_PROMPTS
+    from testbed.stories import MODEL
+
+    lm = MLXLM(pretrained=str(MODEL), batch_size=8, steer=spec)
+    requests = [Instance("loglikelihood", {}, (p, t), 0) for p in STORY_PROMPTS for t in (" happy", " sad")]
+    return [ll for ll, _ in lm.loglikelihood(requests, disable_tqdm=True)]
+
+
+@pytest.fixture(scope="module")
+def story_sims():
+    """CAST's similarity of each prompt of the set (test_steer_condition's numpy rule), and a threshold between them."""
+    from test_steer_condition import C_LAYER, PROMPTS as STORY_PROMPTS, between, cast_rule, ids
+
+    from testbed.stories import MODEL
+    from worker.load import load
+
+    lm = load(str(MODEL))
+    c = np.random.default_rng(7).standard_normal(64).astype(np.float32)
+    sims = [cast_rule(lm, ids(lm, p), c, C_LAYER) for p in STORY_PROMPTS]
+    return sims, round(between(sims), 6)
+
+
+@pytest.fixture(scope="module")
+def story_tasks(tmp_path_factory):
+    from testbed.stories import write_story_tasks
+
+    return write_story_tasks(tmp_path_factory.mktemp("tasks"))
+
+
+def test_a_threshold_sweep_equals_an_independent_conditional_run_per_threshold(ray_cluster, tmp_path, story_tasks, story_sims):
+    """grid.thresholds [t, -1.5] under `condition:` on 2 workers: each configuration's lm-eval metrics and rows fired per
+    task equal `driver run --steer` of that conditional spec, its prompt-set targets a conditional in-process run;
+    the prompt set's `fired` share is CAST's numpy rule on its prompts; summary.md tabulates the fire rates."""
+    from driver.sweep import report
+    from testbed import inproc
+    from testbed.stories import MODEL
+
+    sims, t = story_sims
+    sweep = cast_study(tmp_path / "study", story_tasks, f"[{t}, -1.5]")
+    out = tmp_path / "out"
+    code, output = sweep_cli(sweep, "--workers", 2, "--output", out, "--address", inproc.session_address())
+    assert code == 0, output
+    rows = report.read_csv(out / "results.csv")
+    by = {(r["threshold"], r["task"], r["metric"]): r for r in rows if r["config"] != "baseline"}
+    assert {r["threshold"] for r in rows} == {None, t, -1.5}
+    for threshold in (t, -1.5):
+        (tmp_path / f"s{threshold}.yaml").write_text(json.dumps(spec_at(tmp_path / "study", threshold)))
+        proc = inproc.driver("run", "--model", MODEL,
+                             "--tasks", "tinystories_mc,tinystories_gen", "--include-path", story_tasks, "--limit", "6", "--batch-size", "8",
+                             "--steer", tmp_path / f"s{threshold}.yaml", "--workers", "1", "--output-path", tmp_path / f"run{threshold}",
+                             "--address", inproc.session_address(), cwd=tmp_path)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        plain = json.loads(next((tmp_path / f"run{threshold}").rglob("results_*.json")).read_text())
+        for task, metrics in plain["results"].items():
+            for name, value in metrics.items():
+                if "," in name and "_stderr" not in name and isinstance(value, float):
+                    label = name.removesuffix(",none")  # as results.csv names a metric: its filter unless none
+                    assert by[(threshold, task, label)]["value"] == pytest.approx(value, abs=1e-9), (threshold, task, name)
+        for task, f in plain["orchard_fired"].items():
+            assert (by[(threshold, task, "fired")]["value"], by[(threshold, task, "fired")]["n"]) == (f["rate"], f["rows"])
+        want = story_target_scores(tmp_path / "study", spec_at(tmp_path / "study", threshold))
+        assert by[(threshold, "stories", "logprob_positive")]["value"] == pytest.approx(np.mean(want[0::2]), abs=1e-5)
+        assert by[(threshold, "stories", "logprob_negative")]["value"] == pytest.approx(np.mean(want[1::2]), abs=1e-5)
+        fired = by[(threshold, "stories", "fired")]
+        assert (fired["value"], fired["n"]) == (np.mean([s > threshold for s in sims]), 3 * len(sims))  # 2 targets + 1 generation a prompt
+    assert 0 < by[(t, "stories", "fired")]["value"] < 1 == by[(-1.5, "stories", "fired")]["value"]
+    assert by[(t, "stories", "logprob_diff")]["value"] != by[(-1.5, "stories", "logprob_diff")]["value"]
+    text = (out / "summary.md").read_text()
+    assert "## Condition" in text and "| -1.5 | tinystories_mc | 100% | 1 |" in text and f"| {t:g} | stories |" in text
+    assert json.loads((out / "run.json").read_text())["condition"]["thresholds"] == [t, -1.5]
+
+
+@pytest.mark.parametrize("edit, says", [
+    ((", thresholds: [0.1]}", "}"), "condition: give grid.thresholds, the thresholds to sweep it at"),
+    (("condition: {vector: c.npy, layers: [2]}", ""), "`condition:` and grid.thresholds go together"),
+    (("layers: [2]}", "layers: [2], threshold: 0.1}"), "condition: a sweep takes its thresholds as an axis: list them in grid.thresholds"),
+    (("layers: [2]}", "layers: [4]}"), "condition.layers: 4 comes after the steered layer 3: .* (layer 3, site resid_post)"),
+    (("c.npy", "c32.npy"), "condition.vector: has 32 values but the model's hidden size is 64"),
+    (("thresholds: [0.1]", "thresholds: [0.1, 0.1]"), "grid.thresholds: 0.1 is listed twice"),
+    (("thresholds: [0.1]", "thresholds: [.nan]"), "grid.thresholds"),
+])  # fmt: skip
+def test_a_bad_condition_or_threshold_is_refused_in_one_line_before_the_cluster(tmp_path, story_tasks, edit, says):
+    sweep = cast_study(tmp_path / "study", story_tasks, "[0.1]")
+    np.save(tmp_path / "study" / "c32.npy", np.ones(32, np.float32))
+    text = sweep.read_text()
+    assert edit[0] in text
+    sweep.write_text(text.replace(*edit))
+    code, output = sweep_cli(sweep, "--address", "127.0.0.1:1", "--output", tmp_path / "out")
+    pattern = re.escape(says).replace(re.escape(".* "), ".* ")
+    assert code == 1 and len(output.strip().splitlines()) == 1 and re.search(pattern, output), output
+    assert "127.0.0.1:1" not in output and not (tmp_path / "out" / "run.json").exists()
+
+
+def test_a_conditional_sweep_on_worker_groups_is_refused_before_ray(tmp_path, story_tasks, ray_disconnected):
+    sweep = cast_study(tmp_path / "study", story_tasks, "[0.1]")
+    code, output = sweep_cli(sweep, "--group-size", 2, "--workers", 1, "--address", "local", "--output", tmp_path / "out")
+    assert code == 2 and "conditional steering runs on single workers only" in output and len(output.strip().splitlines()) == 1, output

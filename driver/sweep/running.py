@@ -179,4 +179,4 @@ def _fired_in_set(flags: dict | None, name: str, targets, gens, n_task_ll: int, 
     skip = sum(len(r) for k, r in calls if k == "generate")
     mine = [flags["loglikelihood"][n_task_ll + j] for j, t in enumerate(targets) if t[0] == name]
     mine += [flags["generate"][skip + j] for j, g in enumerate(gens) if g[0] == name and "generate" in flags]
-    return fired_rows({name: {"fired": sum(mine), "rows": len(mine)}}) if mine else []
+    return [row[1:] for row in fired_rows({name: {"fired": sum(mine), "rows": len(mine)}})] if mine else []
