@@ -120,6 +120,13 @@ def condition_facts(sweep, rows: Sequence[dict]) -> dict:
     return {**sweep.spec.condition.model_dump(mode="json"), "thresholds": list(sweep.spec.grid.thresholds), "fired": fired}
 
 
+def _vector_text(v) -> str:
+    """A vector as the file wrote it: a path, `file` (key), or feature N of an SAE."""
+    if isinstance(v, dict) and "sae" in v:
+        return f"feature {v['feature']} of the SAE {v['sae']}"
+    return f"{v['file']}" + (f" ({v['key']})" if v.get("key") else "") if isinstance(v, dict) else str(v)
+
+
 def _condition(facts: dict | None) -> list[str]:
     if not facts:
         return []
@@ -127,7 +134,7 @@ def _condition(facts: dict | None) -> list[str]:
     out = ["", "## Condition", "",
            f"Every configuration steers only the rows whose prompt passes CAST's condition: cos(h, tanh(P h)) {sign} the "
            f"threshold, h the {facts['pool']} of the prompt's input of layer(s) {', '.join(map(str, facts['layers']))}, P the "
-           f"projector on `{facts['vector']}`. `fired` (results.csv) is each configuration's share of rows steered; here "
+           f"projector on {_vector_text(facts['vector'])}. `fired` (results.csv) is each configuration's share of rows steered; here "
            "per threshold and task, its range over the configurations:", "",
            "| threshold | task | fired | configurations |", "|---|---|---|---|"]  # fmt: skip
     for f in facts["fired"]:
