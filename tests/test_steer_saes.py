@@ -8,7 +8,7 @@ sparsify: its reader loads the folder with sparsify); elsewhere it is given the 
 
 Why sae-lens is not a test extra beside sparsify (so `write_sae_lens`, sae-lens 6's `SAE.save_model` layout written
 by hand, stands in for it): measured in a scratch venv over the installed extras (torch 2.13, transformers 5.25,
-numpy 2.4), `pip install sae-lens==6.54.12` resolves without a conflict but pulls 30 packages (transformer-lens 3.9,
+numpy 2.4), `pip install sae-lens==6.54.12` resolves without a conflict but installs 34 packages (transformer-lens 3.9,
 wandb, statsmodels, plotly, typeguard, a py2store built from its sdist, ...) and took 3 min 36 s on the 2-core box at
 load ~15, and `import sae_lens` 32 s: over the ~2 min this suite allows an oracle. Where sae-lens is installed, the
 tests below that import it run (folders saved by `SAE.save_model` read back as their tensors; its own `encode` in
