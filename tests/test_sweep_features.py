@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from safetensors.numpy import save_file
 
 from driver.cli import main
-from driver.steering.encoders import capture_requests, ranked, read_encoder
+from driver.steering.encoders import capture_requests, per_prompt, prompt_weights, ranked, read_encoder
 from driver.steering.saes import SaeError, read_sae
 
 torch = pytest.importorskip("torch")
@@ -86,9 +86,12 @@ def sae_lens_formula(t: dict[str, np.ndarray], x: np.ndarray, arch: str, k: int 
 
 
 def orchard_dense(folder: Path, x: np.ndarray) -> np.ndarray:
-    """Orchard's activations [tokens, d_sae] (one token per weight row: mean_activation over a one-hot weighting)."""
+    """Orchard's activations [tokens, d_sae] (one token per weight row: mean_activation over a one-hot weighting),
+    checked equal to each feature's own (`Encoder.feature`, which encodes only that feature's block)."""
     enc = read_encoder(read_sae(folder))
-    return np.stack([enc.mean_activation(x, np.eye(len(x))[t]) for t in range(len(x))])
+    dense = np.stack([enc.mean_activation(x, np.eye(len(x))[t]) for t in range(len(x))])
+    assert np.allclose(np.stack([enc.feature(x, f) for f in range(enc.d_sae)], axis=1), dense, atol=1e-5)
+    return dense
 
 
 @pytest.mark.parametrize("blocks", [1 << 24, 7 * 5])  # one block, and blocks of 7 features (5 tokens): merged across blocks
@@ -134,9 +137,11 @@ def test_sae_lens_itself_encodes_as_orchard_reads_its_saved_folder(tmp_path):
 
 
 def test_capture_weights_skip_the_bos_and_weigh_each_prompt_once_and_ranking_breaks_ties_by_index():
-    requests, weights = capture_requests([[1, 5, 6, 7], [1, 9], [4, 2]], prefix=1)
+    requests, owners = capture_requests([[1, 5, 6, 7], [1, 9], [4, 2]], prefix=1)
     assert requests == [((1, 5, 6, 7), 1), ((1, 5, 6, 7), 2), ((1, 5, 6, 7), 3), ((1, 9), 1), ((4, 2), 0), ((4, 2), 1)]
+    weights = prompt_weights(owners)
     assert np.allclose(weights, [1 / 9] * 3 + [1 / 3] + [1 / 6] * 2) and abs(weights.sum() - 1) < 1e-12
+    assert np.allclose(per_prompt(np.array([1.0, 2, 6, 5, 0, 4]), owners), [3, 5, 2])
     assert ranked(np.array([0.5, 2.0, 0.5, 3.0, 0.0]), 3) == [(3, 3.0), (1, 2.0), (0, 0.5)]
 
 
@@ -182,17 +187,24 @@ def captured(llama_path: Path, layer: int) -> list[np.ndarray]:
     return out
 
 
+def prompt_states(llama_path: Path, layer: int) -> list[np.ndarray]:
+    """resid_post.`layer` of each prompt's tokens but its BOS."""
+    from driver.lm.model_setup import load_tokenizer
+
+    bos = load_tokenizer(llama_path, False).bos_token_id
+    return [h[1:] if first == bos and len(h) > 1 else h for first, h in captured(llama_path, layer)]
+
+
+def mean_activations(folder: Path, states: list[np.ndarray], shift: np.ndarray | float = 0.0) -> np.ndarray:
+    """Each feature's activation (sparsify's own encoder) at `states` + `shift`: each prompt's tokens averaged, then
+    the prompts."""
+    return np.mean([sparsify_encode(folder, h + shift).astype(np.float64).mean(axis=0) for h in states], axis=0)
+
+
 def expected_top(llama_path: Path, folder: Path, layer: int, k: int) -> list[tuple[int, float]]:
     """The k features of highest mean activation, by sparsify's own encoder: each prompt's tokens but its BOS averaged,
     then the prompts averaged."""
-    from driver.lm.model_setup import load_tokenizer
-
-    tok = load_tokenizer(llama_path, False)
-    per_prompt = []
-    for first, h in captured(llama_path, layer):
-        h = h[1:] if first == tok.bos_token_id and len(h) > 1 else h
-        per_prompt.append(sparsify_encode(folder, h).astype(np.float64).mean(axis=0))
-    means = np.mean(per_prompt, axis=0)
+    means = mean_activations(folder, prompt_states(llama_path, layer))
     order = sorted(range(len(means)), key=lambda f: (-means[f], f))[:k]
     return [(f, float(means[f])) for f in order]
 
@@ -242,6 +254,17 @@ def test_a_top_k_sweep_ranks_each_layers_sae_on_the_prompts_and_equals_plain_run
 
     diffs = assert_equals_plain_runs(rows, sweep, spec_of)
     assert len({round(d, 4) for d in diffs.values()}) == len(diffs)
+    # each configuration's own feature under its steering: add α·W_dec[f] at the SAE's site, read there by its encoder
+    for layer in (0, 1):
+        folder, states = tmp_path / "study" / "run" / f"layers.{layer}", prompt_states(llama_path, layer)
+        w_dec, before = read_sae(folder).decoder(), mean_activations(folder, states)
+        for r in (r for r in rows if r["metric"] == "feature_activation" and r["layer"] == layer):
+            f = int(r["vector"].rpartition("-f")[2])
+            want = mean_activations(folder, states, r["alpha"] * w_dec[f])[f]
+            assert r["task"] == "rank" and r["n"] == len(PROMPTS) and r["value"] == pytest.approx(want, rel=1e-4, abs=1e-4), r
+            assert r["delta"] == pytest.approx(want - before[f], rel=1e-4, abs=1e-4), r
+    moved = [r for r in rows if r["metric"] == "feature_activation"]
+    assert len(moved) == 8 and all(abs(r["delta"]) > 1e-3 for r in moved) and (out / "plots" / "heatmap-rank-feature_activation.png").exists()
 
 
 @pytest.mark.parametrize("edit, says", [
@@ -250,7 +273,7 @@ def test_a_top_k_sweep_ranks_each_layers_sae_on_the_prompts_and_equals_plain_run
     (("rank.jsonl", "missing.jsonl"), "sweep.yaml: vectors.feat: prompts: .*missing.jsonl does not exist"),
     (("sae: run,", "sae: lens,"), "vectors.feat.sae: the SAE at .*lens reads blocks.1.hook_resid_post \\(resid_post at layer 1\\), but the intervention steers resid_post at layer 0"),
     (("sae: run,", "sae: dec,"), "vectors.feat.sae: .*no encoder \\(W_enc\\)"),
-    (("top: 2, prompts: rank.jsonl", "top: 2"), "`top:` and `prompts:` go together"),
+    (("top: 2, prompts: rank.jsonl", "top: 2"), "`top:` needs `prompts: FILE`"),
     (("top: 2", "top: 2, features: [1]"), "`sae:` takes either `features: \\[..\\]`"),
     (("layers: all\n", "layers: all\n  heads: [0]\n"), "vectors.feat.top: ranks features on a whole site's activations, not on attn_head's heads"),
 ])  # fmt: skip

@@ -23,7 +23,7 @@ import numpy as np
 
 from driver.steering.saes import Sae, SaeError, hookpoint_name, read_sae, site_problem
 
-__all__ = ["Encoder", "read_encoder", "ranking_encoder", "capture_requests", "ranked"]
+__all__ = ["Encoder", "read_encoder", "ranking_encoder", "capture_requests", "prompt_weights", "per_prompt", "ranked"]
 
 _BLOCK = 1 << 24  # floats of pre-activations per block of features (64 MiB of float32)
 
@@ -97,6 +97,14 @@ class Encoder:
             np.put_along_axis(keep, groups.argmax(axis=2)[..., None], True, axis=2)
             act = (groups * keep).reshape(len(x), -1)
         return act
+
+    def feature(self, x: np.ndarray, f: int) -> np.ndarray:
+        """Feature f's activation at each token of x [tokens, d_in]: [tokens] float64. Only f's block is encoded (the
+        block `mean_activation` reads it in: topk's comparison with each token's k-th largest sees the same floats)."""
+        x = np.asarray(x, dtype=np.float32)
+        lo, hi = next((lo, hi) for lo, hi in self._blocks(len(x)) if lo <= f < hi)
+        kth = self._kth(x) if self.activation == "topk" else None
+        return self.activations(x, lo, hi, kth)[:, f - lo].astype(np.float64)
 
     def mean_activation(self, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Σ_t weights[t] · f(x[t]) per feature: [d_sae] float64 (weights: each prompt's tokens share 1 / prompts)."""
@@ -172,7 +180,7 @@ def read_encoder(sae: Sae) -> Encoder:
     d_sae, d_in = sae.shape
     if found["weight"] not in shapes:
         raise SaeError(f"{sae.file}: no encoder ({found['weight']}): this SAE was saved with its decoder only, so its features "
-                       "cannot be ranked; list the features to sweep instead of top")  # fmt: skip
+                       "cannot be ranked or measured: list `features:` instead of `top:`, without `prompts:`")  # fmt: skip
     want = {found["weight"]: [d_in, d_sae] if found["in_first"] else [d_sae, d_in], found["bias"]: [d_sae],
             found.get("threshold"): [d_sae]}  # fmt: skip
     for key, shape in want.items():
@@ -201,14 +209,26 @@ def ranking_encoder(path: Path, site: str, layer: int, hidden: int | None) -> En
 
 def capture_requests(token_lists: Sequence[Sequence[int]], prefix: int | None) -> tuple[list[tuple[tuple[int, ...], int]], np.ndarray]:
     """Capture requests (tokens, position) for every token of every prompt but a leading `prefix` (the BOS token reads
-    the same for every prompt), and each one's weight: 1 / (prompts × that prompt's tokens), so each prompt counts once."""
-    requests, weights = [], []
-    for tokens in token_lists:
+    the same for every prompt), and which prompt each one reads (its index in `token_lists`)."""
+    requests, owners = [], []
+    for n, tokens in enumerate(token_lists):
         tokens = tuple(int(t) for t in tokens)
         first = 1 if len(tokens) > 1 and tokens[0] == prefix else 0
         requests += [(tokens, p) for p in range(first, len(tokens))]
-        weights += [1.0 / (len(token_lists) * (len(tokens) - first))] * (len(tokens) - first)
-    return requests, np.asarray(weights, dtype=np.float64)
+        owners += [n] * (len(tokens) - first)
+    return requests, np.asarray(owners, dtype=np.int64)
+
+
+def prompt_weights(owners: np.ndarray) -> np.ndarray:
+    """Each token's weight, 1 / (prompts × its prompt's tokens): the mean over prompts of each prompt's mean."""
+    counts = np.bincount(owners)
+    return 1.0 / (np.count_nonzero(counts) * counts[owners])
+
+
+def per_prompt(values: np.ndarray, owners: np.ndarray) -> np.ndarray:
+    """Each prompt's mean of `values` (one per token) over its tokens."""
+    counts = np.bincount(owners)
+    return np.bincount(owners, weights=values)[counts > 0] / counts[counts > 0]
 
 
 def ranked(means: np.ndarray, k: int) -> list[tuple[int, float]]:

@@ -20,7 +20,8 @@ from worker.spec import HEAD_SITES, NO_STEERING, Intervention, Steering
 from driver.sweep.rows import BASELINE
 from driver.sweep.schema import Grid, SweepError, SweepFile, VectorSource, one_line
 
-__all__ = ["Config", "TopAt", "Model", "BASELINE", "grid_configs", "nonempty", "grid_vectors", "choose_top"]
+__all__ = ["Config", "TopAt", "Model", "BASELINE", "FEATURE_ACTIVATION", "grid_configs", "nonempty", "grid_vectors", "choose_top",
+           "measure_features"]
 
 
 _DIRECTIONLESS = ("ablate", "clamp")  # ops that need a nonzero vector
@@ -52,13 +53,14 @@ class Config:
 
 @dataclass(frozen=True)
 class TopAt:
-    """A `top: K` source at one place of the grid: its SAE's encoder (checked) and the prompts its features rank on."""
+    """An SAE source with `prompts:` at one place of the grid: its SAE's encoder (checked) and the prompts its features
+    are ranked on (`top: K`: k) and measured on (`features:` too: k None)."""
 
     name: str
     site: str
     layer: int
     encoder: Any  # driver.steering.encoders.Encoder
-    k: int
+    k: int | None
     file: str
     prompts: list  # [driver.sweep.plan.Prompt]
 
@@ -246,25 +248,76 @@ def nonempty(grid: Grid, where: str) -> None:
         )
 
 
-def choose_top(sweep: Sweep, lm, echo=print) -> None:
+def _requests(lm, prompts: Sequence) -> tuple[list, np.ndarray]:
+    """Capture requests for every token but a leading BOS of each prompt as lm-eval tokenizes it (its last
+    max_length tokens), and which prompt each reads."""
+    from driver.steering.encoders import capture_requests
+
+    return capture_requests([lm.tok_encode(p.text)[-lm.max_length :] for p in prompts], lm.prefix_token_id)
+
+
+def _capture(lm, steering: Steering, points: Sequence[str], requests: list) -> np.ndarray:
+    """[tokens, points, hidden]: the points captured on the workers under `steering` (cached as any job)."""
+    from worker.spec import Job
+
+    return np.stack(lm.executor.run(Job(kind="capture", steering=steering, points=tuple(points)), requests))
+
+
+def choose_top(sweep, lm, echo=print) -> None:
     """Rank each `top` source's features by their mean activation on its prompts (captured at its site on the
     workers: every token but a leading BOS, each prompt weighing the same) and add the configurations of the K
     highest at each place; what was chosen goes into `sweep.top_features`."""
-    from driver.steering.encoders import capture_requests, ranked
+    from driver.steering.encoders import prompt_weights, ranked
 
     chosen: dict[tuple, list[int]] = {}
-    for file in dict.fromkeys(t.file for t in sweep.tops):
-        tops = [t for t in sweep.tops if t.file == file]
-        tokens = [lm.tok_encode(p.text)[-lm.max_length :] for p in tops[0].prompts]
-        requests, weights = capture_requests(tokens, lm.prefix_token_id)
+    sweep.top_features = []
+    for file in dict.fromkeys(t.file for t in sweep.tops if t.k):
+        tops = [t for t in sweep.tops if t.file == file and t.k]
+        requests, owners = _requests(lm, tops[0].prompts)
         points = list(dict.fromkeys(f"{t.site}.{t.layer}" for t in tops))
-        echo(f"sweep: ranking SAE features at {', '.join(points)} on {len(tokens)} prompts of {Path(file).name} ({len(requests)} tokens)")
-        acts = np.stack(lm.executor.run(lm.job("capture", points=tuple(points)), requests))  # [tokens, points, hidden]
+        echo(f"sweep: ranking SAE features at {', '.join(points)} on {len(tops[0].prompts)} prompts of {Path(file).name} ({len(requests)} tokens)")
+        acts = _capture(lm, NO_STEERING, points, requests)
         for t in tops:
-            top = ranked(t.encoder.mean_activation(acts[:, points.index(f"{t.site}.{t.layer}")], weights), t.k)
+            top = ranked(t.encoder.mean_activation(acts[:, points.index(f"{t.site}.{t.layer}")], prompt_weights(owners)), t.k)
             chosen[(t.name, t.site, t.layer)] = [f for f, _ in top]
             sweep.top_features.append({"vector": t.name, "site": t.site, "layer": t.layer, "sae": str(t.encoder.path), "prompts": file,
-                                       "n_prompts": len(tokens), "tokens": len(requests),
+                                       "n_prompts": len(tops[0].prompts), "tokens": len(requests),
                                        "features": [{"feature": f, "mean_activation": a} for f, a in top]})  # fmt: skip
             echo(f"sweep: vectors.{t.name} at {t.site}.{t.layer}: features " + ", ".join(f"{f} ({a:.3g})" for f, a in top))
     sweep.configs = sweep.expand(chosen)
+
+
+FEATURE_ACTIVATION = "feature_activation"
+
+
+def _measured(sweep, config) -> tuple[Any, int] | None:
+    """(the TopAt of the SAE source `config` steers a feature of, at its place, the feature), or None."""
+    base, _, feature = (config.vector or "").rpartition("-f")
+    at = next((t for t in sweep.tops if (t.name, t.site, t.layer) == (base, config.site, config.layer)), None)
+    return (at, int(feature)) if at is not None and feature.isdigit() and not config.steering.conditional else None
+
+
+def measure_features(sweep, lm, echo=print) -> dict[int, list[dict]]:
+    """{configuration index: its FEATURE_ACTIVATION row}: for each unconditional configuration steering a feature of an
+    SAE source with `prompts:`, that feature's mean activation (the SAE's encoder) at its site on those prompts, under
+    the configuration's steering as a capture of the prompts applies it (every token but a leading BOS, each prompt
+    weighing the same; stderr over the prompts), and its change from the unsteered model's (`delta`)."""
+    from driver.steering.encoders import per_prompt
+    from driver.sweep.rows import mean_stderr
+
+    todo = {c: m for c, config in enumerate(sweep.configs) if (m := _measured(sweep, config))}
+    if todo:
+        echo(f"sweep: measuring the steered feature's activation under {len(todo)} configurations")
+    out, plain = {}, {}
+    for c, (at, feature) in todo.items():
+        requests, owners = _requests(lm, at.prompts)
+        point = f"{at.site}.{at.layer}"
+        if (point, at.file) not in plain:
+            plain[(point, at.file)] = _capture(lm, NO_STEERING, [point], requests)[:, 0]
+        values = [per_prompt(at.encoder.feature(x, feature), owners) for x in (_capture(lm, sweep.configs[c].steering, [point], requests)[:, 0],
+                                                                             plain[(point, at.file)])]  # fmt: skip
+        (value, stderr), (before, _) = (mean_stderr(v) for v in values)
+        ok = bool(np.isfinite(values[0]).all())
+        out[c] = [{"task": Path(at.file).stem, "metric": FEATURE_ACTIVATION, "value": value if ok else None, "stderr": stderr if ok else None,
+                   "n": len(values[0]), "delta": value - before if ok else None, "error": None if ok else "non-finite activation"}]  # fmt: skip
+    return out

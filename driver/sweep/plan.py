@@ -93,7 +93,7 @@ def _tops(spec: SweepFile, layers: list[int], model: Model, base: Path, where: s
     out, read = [], {}
     for name in grid_vectors(spec, where):
         source, label = spec.vectors[name], f"{where}: vectors.{name}"
-        if source.top is None:
+        if source.prompts is None:
             continue
         file = base / Path(source.prompts).expanduser()
         try:
@@ -108,7 +108,7 @@ def _tops(spec: SweepFile, layers: list[int], model: Model, base: Path, where: s
                 encoder = ranking_encoder(base / Path(source.sae).expanduser(), site, layer, model.hidden)
             except SaeError as e:
                 raise SweepError(one_line(f"{label}.sae: {e} (layer {layer}, site {site})")) from None
-            if source.top > encoder.d_sae:
+            if source.top is not None and source.top > encoder.d_sae:
                 raise SweepError(f"{label}.top: {source.top} is past the SAE's {encoder.d_sae} features (use 1..{encoder.d_sae}, "
                                  f"or list them: features: [..]) (layer {layer}, site {site})")  # fmt: skip
             out.append(TopAt(name, site, layer, encoder, source.top, str(file), read[file]))

@@ -105,6 +105,8 @@ def add_deltas(rows: list[dict]) -> None:
     """Each row's change from the baseline's value of the same (task, metric): value − baseline."""
     baseline = {(r["task"], r["metric"]): r["value"] for r in rows if r["config"] == BASELINE}
     for r in rows:
+        if "delta" in r:  # measured against its own unsteered value (a feature's activation)
+            continue
         b = baseline.get((r["task"], r["metric"]))
         r["delta"] = None if b is None or r["value"] is None else r["value"] - b
 

@@ -28,6 +28,7 @@ from worker.spec import Grouping
 
 from driver.sweep import fluency
 from driver.sweep.grid import run_grids
+from driver.sweep.configs import measure_features
 from driver.sweep.plan import BASELINE, Sweep, choose_top
 from driver.sweep.replay import Recorder, lm_eval_per_config, swapped_executor
 from driver.sweep.rows import (FIRED, PROMPT_HIGHER, add_deltas, count_long, fired_rows, lm_eval_failure, lm_eval_rows, prompt_rows, truncated,
@@ -120,6 +121,7 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         wanted["loglikelihood"] += target_pairs
         wanted["generate"] += gen_requests
         answers, failed, fired = run_grids(lm.executor, steerings, wanted, echo)  # a non-finite configuration is set aside
+        measured = measure_features(sweep, lm, echo)  # an SAE feature's activation under its configuration, on its prompts
         # 3. lm-eval per configuration, answered from the grid
         if sweep.plan is not None:
             lm_eval_per_config(lm, args, sweep, calls, answers, results, output, echo, failed)
@@ -129,7 +131,7 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         info = lm.executor.info()
     finally:
         lm.executor.close()
-    return _outcome(sweep, results, answers, targets, gens, calls, (texts, scores, failed, fired), info, time.monotonic() - start)
+    return _outcome(sweep, results, answers, targets, gens, calls, (texts, scores, failed, fired, measured), info, time.monotonic() - start)
 
 
 def _texts(sweep, configs, answers, gens, calls) -> list[list[tuple[str, str]]]:
@@ -140,7 +142,7 @@ def _texts(sweep, configs, answers, gens, calls) -> list[list[tuple[str, str]]]:
 
 
 def _outcome(sweep, results, answers, targets, gens, calls, generated, info, seconds) -> Outcome:
-    texts, scores, failed, fired = generated
+    texts, scores, failed, fired, measured = generated
     rows, generations, better = [], [], {}
     n_task_ll = sum(len(r) for k, r in calls if k == "loglikelihood")
     for c, config in enumerate(sweep.configs):
@@ -151,6 +153,7 @@ def _outcome(sweep, results, answers, targets, gens, calls, generated, info, sec
             better.update({(t, m): None for t, m, *_ in found if m == FIRED})
             better.update(hib)
             rows += [{**config.fields, "task": t, "metric": m, "value": v, "stderr": s, "n": n, "error": e} for t, m, v, s, n, e in found]
+        rows += [{**config.fields, **row} for row in measured.get(c, [])]
         for name, (ps, prompts) in sweep.prompt_sets.items():
             logprobs = {(i, t): target_score(float(answers["loglikelihood"][c][n_task_ll + j][0]), k, ps.target_score or "sum")
                         for j, (s, i, t, k) in enumerate(targets) if s == name}  # fmt: skip

@@ -89,7 +89,7 @@ class VectorSource(BaseModel):
     sae: str | None = None  # an SAE folder (driver.steering.saes): one vector per feature of `features`, named NAME-fN
     features: tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None = None
     top: StrictInt | None = Field(default=None, ge=1)  # or the `top` features most active on `prompts` (the SAE's encoder)
-    prompts: str | None = None  # a JSONL of {"prompt": ...} lines (a prompt set file), for `top`
+    prompts: str | None = None  # a JSONL of {"prompt": ...} lines: `top` ranks on them; each feature's activation measured on them
 
     @model_validator(mode="after")
     def _one_source(self) -> VectorSource:
@@ -99,8 +99,10 @@ class VectorSource(BaseModel):
         if (self.sae is None) != ((self.features is None) == (self.top is None)):
             raise ValueError("`sae:` takes either `features: [..]` (the features to sweep, e.g. [12, 40]) or `top: K` with "
                              "`prompts: FILE` (the K features most active on those prompts)")  # fmt: skip
-        if (self.top is None) != (self.prompts is None):
-            raise ValueError("`top:` and `prompts:` go together: K, and the JSONL of prompts its features are ranked on")
+        if self.top is not None and self.prompts is None:
+            raise ValueError("`top:` needs `prompts: FILE`, the JSONL of prompts its features are ranked on")
+        if self.prompts is not None and self.sae is None:
+            raise ValueError("`prompts:` goes with `sae:`: the prompts an SAE's features are ranked and measured on")
         if self.features is not None and (not self.features or len(set(self.features)) != len(self.features)):
             raise ValueError("`features:` must list distinct feature indices, at least one")
         if self.layers is not None and not self.layers:
