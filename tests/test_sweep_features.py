@@ -225,12 +225,13 @@ def top_study(folder: Path, llama_path: Path, extra_vectors: str = "") -> Path:
 def test_a_top_k_sweep_ranks_each_layers_sae_on_the_prompts_and_equals_plain_runs(ray_cluster, llama_path, tmp_path):
     """`{sae: RUN, top: 2, prompts: FILE}` over layers 0 and 1 on 2 workers: at each layer the two features of highest
     mean activation on the prompts (sparsify's own encoder on activations captured here in process), recorded in
-    run.json and summary.md with their activations; every configuration equals a plain steered run of its feature."""
+    run.json and summary.md with their activations; every configuration equals a plain steered run of its feature, and
+    says how far it moved its feature on those prompts (as does `features: [3]` with `prompts:` beside it)."""
     from test_sweep import assert_equals_plain_runs
 
     from driver.sweep import report
 
-    sweep = top_study(tmp_path / "study", llama_path)
+    sweep = top_study(tmp_path / "study", llama_path, "\n  sel: {sae: run, features: [3], prompts: rank.jsonl}")
     out = tmp_path / "out"
     code, output = sweep_cli(sweep, "--workers", 2, "--output", out)
     assert code == 0, output
@@ -244,7 +245,7 @@ def test_a_top_k_sweep_ranks_each_layers_sae_on_the_prompts_and_equals_plain_run
     assert want[0] != want[1]  # each layer its own SAE, its own features
     rows = report.read_csv(out / "results.csv")
     assert {(r["vector"], r["layer"]) for r in rows if r["config"] != "baseline"} == {
-        (f"feat-f{f}", layer) for layer in (0, 1) for f, _ in want[layer]}
+        (f"feat-f{f}", layer) for layer in (0, 1) for f, _ in want[layer]} | {("sel-f3", 0), ("sel-f3", 1)}
     text = (out / "summary.md").read_text()
     assert "## Top features" in text and f"| feat | resid_post | 1 | rank.jsonl (4, " in text
     assert f"| {want[1][0][0]} | {want[1][0][1]:.4g} |" in text
@@ -253,18 +254,19 @@ def test_a_top_k_sweep_ranks_each_layers_sae_on_the_prompts_and_equals_plain_run
         return {"layer": r["layer"], "alpha": r["alpha"], "vector": {"sae": "run", "feature": int(r["vector"].rpartition("-f")[2])}}
 
     diffs = assert_equals_plain_runs(rows, sweep, spec_of)
-    assert len({round(d, 4) for d in diffs.values()}) == len(diffs)
+    steered = {(r["layer"], r["vector"].rpartition("-f")[2], r["alpha"]): diffs[r["config"]] for r in rows if r["config"] != "baseline"}
+    assert len({round(d, 4) for d in steered.values()}) == len(steered) and diffs["baseline"] not in steered.values()  # sel-f3 may be a top one
     # each configuration's own feature under its steering: add α·W_dec[f] at the SAE's site, read there by its encoder
     for layer in (0, 1):
         folder, states = tmp_path / "study" / "run" / f"layers.{layer}", prompt_states(llama_path, layer)
         w_dec, before = read_sae(folder).decoder(), mean_activations(folder, states)
         for r in (r for r in rows if r["metric"] == "feature_activation" and r["layer"] == layer):
             f = int(r["vector"].rpartition("-f")[2])
-            want = mean_activations(folder, states, r["alpha"] * w_dec[f])[f]
-            assert r["task"] == "rank" and r["n"] == len(PROMPTS) and r["value"] == pytest.approx(want, rel=1e-4, abs=1e-4), r
-            assert r["delta"] == pytest.approx(want - before[f], rel=1e-4, abs=1e-4), r
+            steered = mean_activations(folder, states, r["alpha"] * w_dec[f])[f]
+            assert r["task"] == "rank" and r["n"] == len(PROMPTS) and r["value"] == pytest.approx(steered, rel=1e-4, abs=1e-4), r
+            assert r["delta"] == pytest.approx(steered - before[f], rel=1e-4, abs=1e-4), r
     moved = [r for r in rows if r["metric"] == "feature_activation"]
-    assert len(moved) == 8 and all(abs(r["delta"]) > 1e-3 for r in moved) and (out / "plots" / "heatmap-rank-feature_activation.png").exists()
+    assert len(moved) == 12 and all(abs(r["delta"]) > 1e-3 for r in moved) and (out / "plots" / "heatmap-rank-feature_activation.png").exists()
 
 
 @pytest.mark.parametrize("edit, says", [
@@ -273,6 +275,7 @@ def test_a_top_k_sweep_ranks_each_layers_sae_on_the_prompts_and_equals_plain_run
     (("rank.jsonl", "missing.jsonl"), "sweep.yaml: vectors.feat: prompts: .*missing.jsonl does not exist"),
     (("sae: run,", "sae: lens,"), "vectors.feat.sae: the SAE at .*lens reads blocks.1.hook_resid_post \\(resid_post at layer 1\\), but the intervention steers resid_post at layer 0"),
     (("sae: run,", "sae: dec,"), "vectors.feat.sae: .*no encoder \\(W_enc\\)"),
+    (("sae: run,", "sae: narrow,"), "vectors.feat.sae: the SAE at .*narrow/layers.0 is 32 wide \\(d_in\\) but the model's hidden size is 64"),
     (("top: 2, prompts: rank.jsonl", "top: 2"), "`top:` needs `prompts: FILE`"),
     (("top: 2", "top: 2, features: [1]"), "`sae:` takes either `features: \\[..\\]`"),
     (("layers: all\n", "layers: all\n  heads: [0]\n"), "vectors.feat.top: ranks features on a whole site's activations, not on attn_head's heads"),
@@ -283,6 +286,12 @@ def test_a_top_k_source_that_cannot_rank_is_refused_in_one_line_before_the_clust
     sweep = top_study(tmp_path / "study", llama_path)
     (tmp_path / "study" / "empty.jsonl").write_text("")
     write_sae_lens(tmp_path / "study" / "lens", 7, "blocks.1.hook_resid_post")
+    rng = np.random.default_rng(8)
+    for layer in (0, 1):  # a sparsify run of another model's width
+        (tmp_path / "study" / "narrow" / f"layers.{layer}").mkdir(parents=True)
+        save_file({"encoder.weight": rng.standard_normal((N_LATENTS, 32)).astype(np.float32), "W_dec": rng.standard_normal((N_LATENTS, 32)).astype(np.float32),
+                   "b_dec": np.zeros(32, np.float32)}, str(tmp_path / "study" / "narrow" / f"layers.{layer}" / "sae.safetensors"))  # fmt: skip
+        (tmp_path / "study" / "narrow" / f"layers.{layer}" / "cfg.json").write_text(json.dumps({"k": 4, "d_in": 32}))
     t = write_sae_lens(tmp_path / "study" / "dec", 7, "blocks.0.hook_resid_post")
     save_file({k: v for k, v in t.items() if k in ("W_dec", "b_dec")}, str(tmp_path / "study" / "dec" / "sae_weights.safetensors"))
     text = sweep.read_text().replace(*edit)
@@ -430,3 +439,19 @@ def test_a_conditional_sweep_on_worker_groups_is_refused_before_ray(tmp_path, st
     sweep = cast_study(tmp_path / "study", story_tasks, "[0.1]")
     code, output = sweep_cli(sweep, "--group-size", 2, "--workers", 1, "--address", "local", "--output", tmp_path / "out")
     assert code == 2 and "conditional steering runs on single workers only" in output and len(output.strip().splitlines()) == 1, output
+
+
+def test_a_threshold_sweep_draws_a_panel_per_threshold():
+    """Rows of two thresholds: a heatmap panel each, titled with its threshold (never one panel's cells overwritten)."""
+    from driver.sweep import plots
+
+    def row(layer, alpha, threshold):
+        return {"config": f"{layer}.{alpha}.{threshold}", "vector": "v", "site": "resid_post", "head": None, "layer": layer, "op": "add",
+                "positions": "all", "alpha": alpha, "threshold": threshold, "value": layer + alpha + threshold, "delta": 1.0, "stderr": None}  # fmt: skip
+
+    rows = [row(layer, a, t) for layer in (0, 1) for a in (-2.0, 2.0) for t in (0.1, 0.2)]
+    panels = plots.facets(rows)
+    assert list(panels) == [("v", "resid_post", "add", "all", ("t", 0.1)), ("v", "resid_post", "add", "all", ("t", 0.2))]
+    assert all(len(p) == 4 for p in panels.values())
+    assert plots._facet_title(next(iter(panels))).endswith("positions all, threshold 0.1")
+    assert plots.heatmap("t", "m", rows)[:4] == b"\x89PNG"
