@@ -88,12 +88,12 @@ class _Steered(decode._Micro):
     """A decoding micro-batch of one configuration's rows: each round's graph built under its hooks."""
 
     def __init__(self, lm: LoadedModel, reqs: list[GenRequest], last: bool, config: int, index: list[int]) -> None:
-        super().__init__(lm, reqs, last)
+        super().__init__(lm, [(reqs, None, 0)], last)  # one part: these prompts, no shared prefix
         self.config, self.index = config, index
 
-    def forward(self):
+    def forward(self, k: int):
         with self.lm.hooks.rows_under([self.config]):
-            return super().forward()
+            return super().forward(k)
 
 
 def generation(lm: LoadedModel, installs: Sequence[list], requests: Sequence[GenRequest], batching: Batching) -> list[list]:
@@ -101,7 +101,9 @@ def generation(lm: LoadedModel, installs: Sequence[list], requests: Sequence[Gen
     ring = decode._Ring(lm)
     last = ring.rank == ring.size - 1
     per_config = -(-ring.size // len(installs))  # enough micro-batches in all to keep every rank busy
-    reqs, rows = decode.micro_rows(lm, requests, batching.batch_size, per_config)
+    plain = batching.model_copy(update={"prefix_reuse": False})  # this path's prompts share no prefix (worker.grid)
+    reqs, batches = decode.micro_parts(lm, requests, plain, per_config)
+    rows = [[i for _, _, idx in batch for i in idx] for batch in batches]
     micros: list[Any] = [_Steered(lm, [reqs[i] for i in idx], last, c, idx) for c in range(len(installs)) for idx in rows]
     ids: list[list[Any]] = [[[] for _ in installs] for _ in requests]  # a request no micro-batch holds generates nothing
     poisoned = []
