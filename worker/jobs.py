@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .capture import capture
+from .capture import capture, pipelined_capture
 from .generate import decode, generate, prompt_parts, texts
 from .grid import run_grid
 from .load import LoadedModel
@@ -42,21 +42,20 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
     fired: dict[int, bool] | None = {} if job.steering.conditional else None
     with steered(lm, job.steering, notes, fired):
         # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
-        # loglikelihood pairs), steered or not, conditional or not, prefix families included; generate whose
-        # prompts share no prefix (worker.split.decode.pipelines), steered or not, conditional or not; the last
-        # rank answers. Still lockstep (every stage after the other, an all_gather per forward): generate with
-        # shared prompt prefixes, capture and grid jobs (above). A conditional decision made on one rank travels
-        # with the hidden state to the next (worker.split.pipeline).
+        # loglikelihood pairs) and generate, steered or not, conditional or not, prefix families included; capture
+        # (its rows ride forward); grid jobs (worker.grid, above); the last rank answers. A conditional decision
+        # made on one rank travels with the hidden state to the next (worker.split.pipeline). Still lockstep
+        # (every stage after the other, an all_gather per forward): generation grids whose prompts share a prefix.
         if job.kind == "loglikelihood":
             out = (pipelined_loglikelihood if pipelined(lm) else loglikelihood)(lm, requests, batching)
-        elif job.kind == "generate" and pipelined(lm) and pipelined_decode.pipelines(lm, requests, batching):
+        elif job.kind == "generate" and pipelined(lm):
             out = pipelined_decode.generate(lm, requests, batching)
         elif job.kind == "generate" and fired is not None:
             out = conditional_generate(lm, requests, batching)
         elif job.kind == "generate":
             out = generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
         else:
-            out = capture(lm, requests, job.points, batching)
+            out = (pipelined_capture if pipelined(lm) else capture)(lm, requests, job.points, batching)
     if fired is not None and job.kind != "capture":  # each result says whether its row was steered
         out = [_with_fired(job.kind, r, fired.get(i, False)) for i, r in enumerate(out)]
     return Results(out, notes)

@@ -196,12 +196,12 @@ def _prefix_cache(lm, tokens: Sequence[int]) -> list | None:
     return cache
 
 
-def _family_cache(lm, tokens: Sequence[int], plain=None) -> list | SharedPrefix | None:
-    """The family's shared prefix cache (`plain(lm, tokens)`, by default run now); under conditional steering one per
-    combination of decisions, each row reading its own (worker.hooks.condition_share). None: no sharing."""
+def _family_cache(lm, tokens: Sequence[int]) -> list | SharedPrefix | None:
+    """The family's shared prefix cache; under conditional steering one per combination of decisions, each row
+    reading its own (worker.hooks.condition_share). None: no sharing."""
     gates = conditional_gates(lm.hooks)
     if not gates:
-        return (plain or _prefix_cache)(lm, tokens)
+        return _prefix_cache(lm, tokens)
     return shared_prefix(gates, lambda: _prefix_cache(lm, tokens))
 
 

@@ -97,7 +97,8 @@ def _grouping(plan, flags: tuple, workers: str, address: str | None) -> tuple[Gr
     pretrained = plan.model_args["pretrained"]
     folder = tokenizer_folder(pretrained, plan.model_args.get("revision"))
     found = for_command(size, split, workers, model=pretrained, folder=folder, address=address)
-    check_heads_split(next((c.steering for c in plan.grid if c.head is not None), None), found)
+    for picked in (lambda c: c.head is not None, lambda c: c.steering.conditional):  # head and CAST steering on groups
+        check_heads_split(next((c.steering for c in plan.grid if picked(c)), None), found)
     if found.size > 1:
         check_workers(workers, address, pretrained, found.size)
     return found, chosen_lines(size, split, found)
