@@ -2,9 +2,11 @@
 pipeline rings of K = 2 and 3 with every condition layer on an earlier rank than the layer it steers (K = 3: a rank
 in between passes the decisions on, worker.split.pipeline), and a tensor ring of 2 (every rank runs every layer).
 Each job's numbers equal the unsplit conditional run's (pipeline <= 1e-5, tensor <= 1e-4; texts identical) and so
-do the fired flags, from the rank that answers: pipelined loglikelihood and decode (the last rank; the others hold
-None), lockstep generation of few-shot rows sharing a prefix (every rank), one conditional intervention and two
-(the second's condition read on the stream the first steers), in mixed batches.
+do the fired flags, from the rank that answers (pipeline: the last, the others hold None; tensor: rank 0):
+loglikelihood and generation, short prompts and few-shot rows sharing a prefix (run once per combination of
+decisions, through the pipeline), one conditional intervention and two (the second's condition read on the stream
+the first steers), in mixed batches. And a lockstep generation grid whose batch merges several prefills keeps its
+texts on the pipeline rings.
 
 Model: the shipped TinyStories-260K (5 layers: 3|2 over 2 ranks, 2|2|1 over 3).
 """
@@ -69,10 +71,11 @@ def _work(size: int, config: dict, rows, settings) -> list[tuple]:
             ("gen", Job(kind="generate", steering=single), [GenRequest(context=c, max_gen_toks=12) for c in short], Batching(batch_size=4)),
             ("gen_family", Job(kind="generate", steering=single), [GenRequest(context=c, max_gen_toks=12) for c in shots], Batching(batch_size=5)),
             ("gen_two", Job(kind="generate", steering=two), [GenRequest(context=c, max_gen_toks=12) for c in shots], Batching(batch_size=16)),
-            ("gen_merged", Job(kind="generate"), [GenRequest(context=c, max_gen_toks=12) for c in shots], Batching(batch_size=16))]  # fmt: skip
+            ("grid_merged", Job(kind="generate", grid=(Steering(), Steering(interventions=(Intervention(layer=3, vector=_vector(3), alpha=ALPHA),)))),
+             [GenRequest(context=c, max_gen_toks=12) for c in shots], Batching(batch_size=16))]  # fmt: skip
 
 
-PIPELINED = ("ll", "ll_early", "ll_two", "gen", "gen_early")  # the last rank answers; the rest is lockstep (every rank answers)
+CONDITIONAL = ("ll", "ll_early", "ll_two", "gen", "gen_early", "gen_family", "gen_two")  # pipelined: the last rank answers
 
 
 @pytest.fixture(scope="module")
@@ -105,23 +108,23 @@ def _same(got, want, tolerance: float) -> None:
 
 
 def test_lockstep_forwards_built_together_keep_their_transfers_apart(pipeline, unsplit):
-    """Unconditional: one generation batch merges a family's four prefills, each built before any is evaluated;
-    their ranks' transfers must not cross (worker.split.pipeline._handoff evaluates each as it is built)."""
+    """Unconditional, lockstep (a generation grid over few-shot rows): one batch merges a family's prefills, each
+    built before any is evaluated; the ranks' transfers must not cross (worker.split.pipeline._handoff evaluates
+    each as it is built; without that this ring hangs)."""
     size, reports = pipeline
-    assert all(r["results"]["gen_merged"] == unsplit[size]["gen_merged"] for r in reports)
+    want = unsplit[size]["grid_merged"]
+    assert want[0][0] != want[0][1]  # the steered configuration changed the text
+    assert all(r["results"]["grid_merged"] == want for r in reports)
 
 
-@pytest.mark.parametrize("label", ["ll", "ll_early", "ll_two", "gen", "gen_early", "gen_family", "gen_two"])
+@pytest.mark.parametrize("label", CONDITIONAL)
 def test_a_pipeline_ring_steers_as_the_unsplit_model(pipeline, unsplit, label):
     size, reports = pipeline
     want = unsplit[size][label]
     assert 0 < sum(r[-1] for r in want) < len(want)  # a mixed batch
-    answering = reports[-1:] if label in PIPELINED else reports
-    for report in answering:
-        _same(report["results"][label], want, 1e-5)
-    if label in PIPELINED:
-        for report in reports[:-1]:
-            assert report["results"][label] == [None] * len(want)
+    _same(reports[-1]["results"][label], want, 1e-5)
+    for report in reports[:-1]:
+        assert report["results"][label] == [None] * len(want)
 
 
 def test_the_steering_changes_what_fired_rows_get(lm, config, rows, settings, unsplit):
@@ -138,5 +141,5 @@ def test_the_steering_changes_what_fired_rows_get(lm, config, rows, settings, un
 def test_a_tensor_ring_steers_as_the_unsplit_model(stories_path, config, rows, settings, unsplit):
     reports = _ring(stories_path, config, rows, settings, Grouping(size=2, split="tensor"))
     for label, want in unsplit[2].items():
-        if label != "gen_merged":
+        if label in CONDITIONAL:
             _same(reports[0]["results"][label], want, 1e-4)  # rank 0 answers
