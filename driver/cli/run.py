@@ -57,13 +57,8 @@ SPLIT_HELP = "How a group splits the model: pipeline (layer ranges per node), te
     "--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16,revision=main."
 )
 @click.option(
-    "--output-path",
-    "--output_path",
-    "--output",
-    "output_path",
-    default="orchard-out",
-    show_default=True,
-    help="Folder for results JSON, samples and the run summary (--output: the same, as `driver sweep` spells it).",
+    "--output", "--output-path", "--output_path", "output_path", default="orchard-out", show_default=True,
+    help="Folder for results JSON, samples and the run summary.",
 )
 @click.option("--log-samples", "--log_samples", "log_samples", is_flag=True, help="Also write every sample's inputs and outputs.")
 @click.option("--include-path", "--include_path", "include_path", default=None, help="Extra folder of task YAMLs.")
@@ -74,7 +69,7 @@ SPLIT_HELP = "How a group splits the model: pipeline (layer ranges per node), te
     "--cache",
     "cache",
     default=None,
-    help="Result cache folder: a rerun reuses every finished request. Default: OUTPUT_PATH/cache.",
+    help="Result cache folder: a rerun reuses every finished request. Default: OUTPUT/cache.",
 )
 @click.option("--threads", type=settings.WHOLE, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
 @click.option("--dashboard", is_flag=True, help="Start Ray's dashboard with the embedded Ray (off by default).")
@@ -106,7 +101,7 @@ def run(
 ) -> Any:
     """Evaluate MODEL on lm-eval TASKS with its requests spread over Ray workers.
 
-    Prints lm-eval's table and writes lm-eval's results JSON (and samples) plus summary_*.json under OUTPUT_PATH.
+    Prints lm-eval's table and writes lm-eval's results JSON (and samples) plus summary_*.json under OUTPUT.
     """
     start = time.monotonic()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -189,7 +184,7 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
     spec against the model's shape, the cluster address (syntax, reachable, token authentication), the worker
     group (`group`: size, split, workers; driver.checks.groups).
     `--num-fewshot` is checked once the tasks' documents load (driver.checks.fewshot), still before Ray."""
-    writable_folder(output_path, "--output-path")
+    writable_folder(output_path, "--output")
     check_cache(cache or Path(output_path) / "cache", "--cache" if cache else "the result cache")
     folder = check_model(model, extra.get("revision"), extra.get("adapter_path"))
     check_tokenizer(folder, apply_chat_template)
