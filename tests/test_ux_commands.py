@@ -103,3 +103,15 @@ def test_a_lost_worker_is_listed_with_why_it_has_no_requests(capsys):
     lines = capsys.readouterr().out.splitlines()[2:]
     assert [line.split()[0] for line in lines] == ["w0@a", "w1@b", "w2@c"]
     assert lines[1].endswith("(lost before it finished a chunk)") and lines[2].endswith("(lost)")
+
+
+def test_a_group_run_says_groups_in_its_phases_and_its_bar(ray_cluster, llama_path, tasks_dir, tmp_path):
+    """--group-size 2: the phase lines and Orchard's bar count groups (a bar once read 'loglikelihood on 2 workers')."""
+    result = CliRunner().invoke(main, [
+        "run", "--model", str(llama_path), "--include-path", str(tasks_dir), "--tasks", "orchard_mc", "--limit", "2",
+        "--workers", "1", "--group-size", "2", "--address", ray_cluster.address, "--output", str(tmp_path)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert f"driver: loading {llama_path} on 1 group of 2 (lm-eval builds its requests meanwhile)" in result.stderr.splitlines()
+    bars = [part for part in result.stderr.replace("\r", "\n").splitlines() if "req/s" in part and "Tokenizing" not in part]
+    assert bars and all(part.startswith("loglikelihood on 1 group:") for part in bars), bars
+    assert "on 1 group of 2 on 2 nodes" in result.stdout
