@@ -93,3 +93,15 @@ def test_quiet_says_nothing(capsys, monkeypatch):
     with quiet.phase("starting Ray"):
         quiet.say("loading")
     assert capsys.readouterr().err == ""
+
+
+def test_a_phase_line_wider_than_the_terminal_has_no_spinner(terminal, monkeypatch):
+    """Wrapped, its carriage return would go back to its last row only: each turn would leave a copy behind."""
+    monkeypatch.setenv("COLUMNS", "40")
+    _on(terminal)
+    with quiet.phase("opening /a/long/path/to/a/model on this machine (MLX, its tokenizer)"):
+        pass
+    with quiet.phase("starting Ray: 1 worker"):
+        pass
+    assert terminal.getvalue().split("\n")[0] == "driver: opening /a/long/path/to/a/model on this machine (MLX, its tokenizer)"
+    assert terminal.getvalue().split("\n")[1].startswith("driver: starting Ray: 1 worker\rdriver: starting Ray: 1 worker (")

@@ -210,6 +210,19 @@ def _open_bars() -> bool:
     return std is not None and bool(list(getattr(std.tqdm, "_instances", ())))
 
 
+def _fits(text: str) -> bool:
+    """Whether the phase line and its spinner fit on one row of the terminal: a wrapped line's carriage return
+    would go back to its last row only, and each turn of the spinner would leave a copy of the rest behind."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        try:
+            columns = os.get_terminal_size(sys.stderr.fileno()).columns  # stderr's: stdout may go to a file
+        except (OSError, ValueError, AttributeError):
+            columns = 80
+    return len(PREFIX + text) + len(" | 999 s") < columns
+
+
 def _write(line: str) -> None:
     """A line of its own on stderr: a progress bar showing is cleared and drawn again below it on a terminal; off
     one, the bar's last state keeps its line (tqdm leaves the cursor after it)."""
@@ -237,7 +250,7 @@ def phase(text: str, after: float = 0.0):
         yield
         return
     _end_open_line()
-    tty = None if _open_bars() else _terminal()  # a spinner beside a bar would write into it
+    tty = None if _open_bars() or not _fits(text) else _terminal()  # a spinner beside a bar would write into it
     done, shown, start, lock = threading.Event(), threading.Event(), time.monotonic(), threading.Lock()
 
     def end() -> None:
