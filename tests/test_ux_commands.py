@@ -5,10 +5,12 @@ worker is listed in the summary with why it has no requests (27.3)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,18 +43,59 @@ def test_cluster_up_status_and_down_say_what_they_do_on_stderr(tmp_path):
     assert (again.stdout, again.stderr) == ("no local cluster is running (nothing to stop)\n", "")
 
 
-def test_vectors_checks_the_address_before_it_imports_mlx_lm(stories_path, tmp_path):
-    """The checks that cost seconds (the model's sites from mlx-lm's classes, the pairs tokenized: mlx-lm imports
-    transformers) come after the cheap ones, so an unreachable address is one line at once."""
+@pytest.fixture
+def screen(monkeypatch):
+    """What a terminal on stderr would show of the phases (driver.lm.quiet asked for its terminal gets this one);
+    CliRunner's own stderr is what a log or a pipe gets."""
+    from driver.lm import quiet
+
+    shown = io.StringIO()
+    monkeypatch.setattr(quiet, "_terminal", lambda: shown)
+    monkeypatch.setenv("COLUMNS", "1000")
+    monkeypatch.delenv("ORCHARD_QUIET", raising=False)
+    return shown
+
+
+def test_vectors_says_so_on_a_terminal_while_its_checks_before_ray_take_seconds(stories_path, tmp_path, monkeypatch, screen):
+    """The model's sites (mlx-lm's classes) and the pairs tokenized (mlx-lm imports transformers) take seconds on
+    a first call: a terminal shows what runs, erased when it ends; stderr keeps the refusal alone (here --position
+    0, BOS on both sides). The tokenizer is made slow on purpose: the subject is the line, not the time."""
+    from driver.steering import vectors as vec
+
+    encoder = vec.head_encoder
+    monkeypatch.setattr(vec, "head_encoder", lambda *a: (time.sleep(1.5), encoder(*a))[1])
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"positive": "Lily was happy", "negative": "Lily was sad"}) + "\n")
-    code = ("import sys\nfrom driver.cli import main\ntry:\n    main.main(sys.argv[1:], prog_name='driver')\n"
-            "except SystemExit as e:\n    print(e.code, [m for m in ('mlx_lm', 'transformers') if m in sys.modules])")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    proc = subprocess.run([sys.executable, "-c", code, "vectors", "--model", str(stories_path), "--pairs", str(pairs), "--out",
-                           str(tmp_path / "v.safetensors"), "--address", "127.0.0.1:1"], capture_output=True, text=True, env=env)  # fmt: skip
-    assert proc.stdout == "1 []\n", proc.stdout + proc.stderr
-    assert proc.stderr.startswith("Error: cannot reach a Ray cluster at 127.0.0.1:1") and proc.stderr.count("\n") == 1
+    result = CliRunner().invoke(main, ["vectors", "--model", str(stories_path), "--pairs", str(pairs), "--out",
+                                       str(tmp_path / "v.safetensors"), "--position", "0", "--address", "127.0.0.1:1"])  # fmt: skip
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"Error: {pairs}: the positive and negative texts of every pair agree on every token")
+    shown = screen.getvalue()  # the line (its spinner turning after 2 s), erased at the end
+    assert shown.startswith(f"driver: checking {stories_path}'s layers and tokenizing the pairs") and shown.endswith("\r\x1b[K")
+
+
+def test_run_and_sweep_say_so_on_a_terminal_while_their_files_take_seconds_to_check(llama_path, tasks_dir, tmp_path,
+                                                                                      monkeypatch, screen):  # fmt: skip
+    """A steering spec and a sweep file are checked against the model's layers (mlx-lm's classes: seconds on a first
+    call) before Ray: a terminal shows it while it lasts. The checks are made slow on purpose."""
+    import driver.cli.run as run_command
+    import driver.sweep
+
+    monkeypatch.setattr(run_command, "check_steering", lambda *a: time.sleep(1.5))
+    slow = driver.sweep.load_sweep
+    monkeypatch.setattr(driver.sweep, "load_sweep", lambda *a: (time.sleep(1.5), slow(*a))[1])
+    (tmp_path / "s.yaml").write_text("interventions: []\n")
+    result = CliRunner().invoke(main, ["run", "--model", str(llama_path), "--include-path", str(tasks_dir), "--tasks", "orchard_mc",
+                                       "--steer", str(tmp_path / "s.yaml"), "--address", "127.0.0.1:1", "--output", str(tmp_path)])  # fmt: skip
+    assert result.exit_code == 1 and result.stderr.startswith("Error: cannot reach a Ray cluster at 127.0.0.1:1"), result.stderr
+    shown = screen.getvalue()
+    assert shown.startswith(f"driver: checking {tmp_path / 's.yaml'} against {llama_path}'s layers") and shown.endswith("\r\x1b[K")
+    (tmp_path / "sweep.yaml").write_text("model: {pretrained: nowhere}\n")
+    result = CliRunner().invoke(main, ["sweep", str(tmp_path / "sweep.yaml"), "--output", str(tmp_path / "o")])
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1 and result.stderr.startswith("Error: "), result.stderr
+    shown = screen.getvalue()[len(shown):]
+    assert shown.startswith(f"driver: checking {tmp_path / 'sweep.yaml'} against its model, vectors, tasks and prompts")
+    assert shown.endswith("\r\x1b[K")
 
 
 def test_ray_that_cannot_start_here_is_one_line_saying_why(tmp_path):

@@ -105,3 +105,15 @@ def test_a_phase_line_wider_than_the_terminal_has_no_spinner(terminal, monkeypat
         pass
     assert terminal.getvalue().split("\n")[0] == "driver: opening /a/long/path/to/a/model on this machine (MLX, its tokenizer)"
     assert terminal.getvalue().split("\n")[1].startswith("driver: starting Ray: 1 worker\rdriver: starting Ray: 1 worker (")
+
+
+def test_a_transient_phase_shows_on_a_terminal_only_and_is_erased(terminal, capsys, monkeypatch):
+    """A check before Ray: a terminal shows it while it lasts (a refusal then stays the whole of stderr)."""
+    with quiet.phase("checking steer.yaml", after=0.05, transient=True):  # off a terminal: nothing
+        time.sleep(0.4)
+    assert capsys.readouterr().err == ""
+    _on(terminal)
+    with quiet.phase("checking steer.yaml", after=0.05, transient=True):
+        time.sleep(0.4)
+    print("Error: steer.yaml: ...", file=sys.stderr)
+    assert terminal.getvalue() == "driver: checking steer.yaml\r\x1b[KError: steer.yaml: ...\n"

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,8 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
     names = check_tasks(tasks, include_path)
     check_datasets(names, include_path)  # on disk, or the Hub reachable: else one line now, not retries after Ray
     check_generation_room(model_config(folder), generation[0], extra, generation[1])  # max_length, gen_kwargs
-    steering = check_steering(steer, model_config(folder), extra.get("dtype")) if steer else None
+    with phase(f"checking {steer} against {model}'s layers", after=1.0, transient=True) if steer else nullcontext():
+        steering = check_steering(steer, model_config(folder), extra.get("dtype")) if steer else None  # mlx-lm: seconds
     check_address(address)
     grouping = for_command(*group, model=model, folder=folder, address=address)
     check_heads_split(steering, grouping)

@@ -56,7 +56,8 @@ def sweep_command(
     writable_folder(folder, "--output")
     try:
         outdir.refuse_if_busy(folder)  # one writer per folder: a second sweep is refused before any work
-        plan = load_sweep(sweep_file)
+        with phase(f"checking {sweep_file} against its model, vectors, tasks and prompts", after=1.0, transient=True):
+            plan = load_sweep(sweep_file)  # seconds: mlx-lm's classes give the model's sites
     except (SweepError, outdir.FolderBusy) as e:
         raise click.ClickException(str(e)) from None
     check_cache(cache or folder / "cache", "--cache" if cache else "the result cache")

@@ -87,14 +87,14 @@ def vectors(
     except ValueError as e:
         raise BadUsage(f"--layers {layers}: {one_line(str(e))}") from None
     chosen_heads, head_dim = _heads(heads, site, config)
-    check_address(address)  # reachable, token: cheap, so before what imports mlx-lm and transformers (seconds)
     try:  # the model's sites, and every pair tokenized on the head as the capture will be, before Ray starts
-        with phase(f"checking {model}'s layers and tokenizing the pairs, before Ray starts", after=1.0):
+        with phase(f"checking {model}'s layers and tokenizing the pairs", after=1.0, transient=True):  # mlx-lm: seconds
             check_site(config, site, resolved)
             encode = vec.head_encoder(folder, bool(args.get("trust_remote_code")))
             vec.check_pairs(pairs, read, encode, method, at, context_window(config, args.get("max_length")))
     except ValueError as e:
         raise Refused(one_line(str(e))) from None
+    check_address(address)
     grouping = for_command(size, split, workers, model=model, folder=folder, address=address)
     if site in HEAD_SITES and grouping.size > 1 and grouping.split == "tensor":
         raise BadUsage("--site attn_head: a tensor-split group holds each head on one node only: use --split pipeline")

@@ -242,21 +242,23 @@ def say(text: str) -> None:
 
 
 @contextmanager
-def phase(text: str, after: float = 0.0):
+def phase(text: str, after: float = 0.0, transient: bool = False):
     """`text` on stderr while the block runs: at once (or only once it has lasted `after` s); on a terminal a
     spinner with the seconds so far turns at the end of the line after 2 s, and the line ends with the time taken
-    when the block ends, or as soon as the next phase line or anything else is written to stderr."""
-    if quiet():
+    when the block ends, or as soon as the next phase line or anything else is written to stderr. `transient`: a
+    check before Ray, shown on a terminal only and erased when it ends, so that a refusal stays the whole of stderr."""
+    tty = None if quiet() or _open_bars() or not _fits(text) else _terminal()  # a spinner beside a bar would write into it
+    if quiet() or (transient and tty is None):
         yield
         return
     _end_open_line()
-    tty = None if _open_bars() or not _fits(text) else _terminal()  # a spinner beside a bar would write into it
     done, shown, start, lock = threading.Event(), threading.Event(), time.monotonic(), threading.Lock()
 
     def end() -> None:
         with lock:
             if tty and shown.is_set() and not done.is_set():
-                print(f"\r{PREFIX}{text} ({time.monotonic() - start:.1f} s)\x1b[K", file=tty, flush=True)
+                ending = "" if transient else f"{PREFIX}{text} ({time.monotonic() - start:.1f} s)"
+                print(f"\r{ending}\x1b[K", file=tty, end="" if transient else "\n", flush=True)
             done.set()
 
     def line() -> None:
