@@ -573,3 +573,10 @@ def test_a_model_too_large_for_a_node_names_the_group_size_that_would_fit(ray_cl
         lm.executor.close()
     k = math.ceil(weights_bytes(llama_path) / 2**10)
     assert k > 1 and f"pass --group-size {k} (or auto) to split it across that many nodes" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["--output", "--output-path"])
+def test_an_empty_output_folder_is_refused(llama_path, tasks_dir, flag):
+    """lm-eval reads an empty output path as none: the results JSON would silently not be written."""
+    line = run(2, "run", "--model", str(llama_path), "--include-path", str(tasks_dir), "--tasks", "orchard_mc", "--workers", "1", flag, "")
+    assert line == "Error: --output is empty: give a folder (e.g. orchard-out)"
