@@ -65,7 +65,7 @@ def run_grid(
         raise SteeringError("a grid of configurations cannot hold conditional steering yet: run each as its own job")
     configs, owner = distinct(steerings)
     batching = batching or Batching()
-    if pipelined.pipelines(lm, kind, requests, batching):  # a pipeline group: (configuration, batch) micro-batches
+    if pipelined.pipelines(lm):  # a pipeline group: (configuration, batch) micro-batches
         out = pipelined.run(lm, kind, configs, requests, batching)
     else:
         out = (grid_loglikelihood if kind == "loglikelihood" else grid_generate)(lm, configs, requests, batching)
