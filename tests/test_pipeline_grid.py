@@ -2,9 +2,10 @@
 (127.0.0.1, no Ray): the last rank's captured rows (resid and attn_head points on every rank, a point on rank 0
 only, under steering) equal the unsplit capture; a grid of configurations steering layers on every rank (one at a
 rank's last layer, one on two ranks, one on continuation positions only) equals the unsplit grid and independent
-steered runs, for loglikelihood (prefix families included) and greedy and seeded-sampled generation. Only the last
-rank holds numbers; no job calls a collective per batch (the hooks' idle check, once per job, is the only one), while
-a lockstep job does; the ranks past a capture's deepest point run no layers.
+steered runs, for loglikelihood (prefix families included) and greedy and seeded-sampled generation, on prompts
+sharing a 40-token prefix too (its KV computed once per fingerprint on prompt positions, then found in the store).
+Only the last rank holds numbers; no job calls a collective per batch (the hooks' idle check, once per job, is the
+only one); the ranks past a capture's deepest point run no layers.
 
 Models: the shipped TinyStories-260K (a llama of 5 layers: 3|2 over 2 ranks, 2|2|1 over 3) and a generated qwen2
 of 4 layers (3|1 and 2|1|1): uneven layer counts on both.
