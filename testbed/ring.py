@@ -7,7 +7,7 @@ do. Returns each rank's report: its layers and peak memory per model, results (a
 "error: <message>"), `clock`, its pipelined busy and waiting time (worker.split.stages.CLOCK), per job the
 collectives it called (`collectives`: all_sum, all_gather, ... counted), its pipelined busy seconds (`busy`) and
 its prefix store's (hits, extended, misses) (`lookups`), and per model its prefix store's counters after the work
-(worker.prefix_cache).
+(worker.prefix_cache) and its entries (`entries`: (tokens, the id of the stored KV) each).
 A grouping of size 1 loads the whole models unsplit.
 """
 
@@ -125,9 +125,10 @@ def main(task_path: str, rank: int) -> None:
         lookups.append(tuple(a - b for a, b in zip(_lookups(store(models[name])), before[2])))
     cascade = {name: getattr(lm.model, "_orchard_cascade", None) for name, lm in models.items()}  # its verdict, if asked
     stores = {name: store(lm).stats() for name, lm in models.items()}
+    entries = {name: [(tokens, id(kv)) for (_, tokens), (kv, _) in store(lm).entries.items()] for name, lm in models.items()}
     report = {"rank": rank, "layers": layers, "load_peak_gb": load_peak, "peak_gb": peak_memory_gb(),
               "weights_bytes": held, "results": results, "cascade": cascade, "clock": CLOCK, "prefix_store": stores,
-              "collectives": collectives, "busy": busy, "lookups": lookups}  # fmt: skip
+              "collectives": collectives, "busy": busy, "lookups": lookups, "entries": entries}  # fmt: skip
     (Path(task_path).parent / f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 

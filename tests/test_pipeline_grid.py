@@ -248,6 +248,19 @@ def test_a_prefix_is_computed_once_per_fingerprint_and_found_by_the_next_job(rin
 
 
 @pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_a_rank_keeps_one_prefix_kv_for_configurations_alike_on_its_layers(ring, name):
+    """Every rank stores each prefix under the K + 1 fingerprints, and holds one KV per fingerprint of the hooks on
+    its layers and below: the unsteered one, and one per rank's first layer at or below its own."""
+    size, reports = ring
+    heads = {r.context[:40] for r in _family_prompts(False)}
+    firsts = [start for start, _ in _ranges(name, size)]
+    for report, (_, end) in zip(reports, _ranges(name, size)):
+        held = [kv for tokens, kv in report["entries"][name] if tokens in heads]
+        assert len(held) == 2 * (size + 1)
+        assert len(set(held)) == 2 * (1 + sum(first < end for first in firsts))
+
+
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
 def test_no_collective_runs_per_batch_and_only_reached_ranks_compute(ring, name):
     """Capture and grid jobs (generation on prompts sharing a prefix too: nothing generate-kind stays lockstep on a
     pipeline group) call one collective per install of hooks (their idle check: worker.hooks.manager), once per job
