@@ -4,7 +4,12 @@ Loglikelihood grids run through worker.split.stages as worker.score's pipelined 
 its families' prefix passes and batches, cut as `loglikelihood` cuts them, one after another in one plan, so rank
 r computes one (configuration, batch) while rank r + 1 computes the one before and the last rank alone runs the
 head. Generation grids go round the ring as worker.split.decode's rounds do, (configuration, batch) micro-batches
-taking their rounds in turn, as many in flight as one configuration's job would hold (or K).
+taking their rounds in turn, as many in flight as one configuration's job would hold (or K). Prompts sharing a
+prefix (few-shot families) read their configuration's prefix KV, as its own job would: one pipelined run of prefix
+passes first (`family_prefixes`), one per (prefix, fingerprint on prompt positions: worker.prefix_cache), so the
+unsteered configuration and those steering only `continuation` or `last` positions share one; each stored under
+its fingerprint for later jobs. A rank keeps one KV for the configurations alike on its own layers and below (one
+steering only a later rank's layers holds the unsteered KV here).
 
 Steering: every configuration's hooks are installed once for the job, each acting only on the rows that run under
 it (worker.steer.side_by_side, Rows.configs); a rank builds each micro-batch's lazy graph under its configuration
@@ -20,9 +25,9 @@ or not. Sharing would idle the earlier ranks rather than shorten the run: with C
 n layers, the unsplit grid does about n + C n / 2 block passes per batch; pipelined over K ranks without sharing,
 each rank does C n / K, so a group of 2 matches one unsplit worker with sharing and K ranks give about K / 2 of it
 (sharing below each split inside the last rank's own blocks would cut its C n / 2 to about 3 C n / 8 at K = 2 and
-7 C n / 32 of C n / 4 at K = 4: 25 % and 12.5 %, not done). Generation on prompts that share a prefix stays on the
-lockstep grid (`pipelines`), which computes the prefix's KV once and decodes configurations alike on prompt
-positions side by side; pipelined, each configuration runs its own prompts.
+7 C n / 32 of C n / 4 at K = 4: 25 % and 12.5 %, not done). Likewise every rank runs every prefix pass (a rank
+below a configuration's steered layer recomputes the unsteered KV, then keeps one copy), and configurations alike
+on prompt positions decode their own rows rather than side by side on one prompt KV as the unsplit grid's do.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ joined into one batch on every rank as the unsplit kernel joins them.
 
 Every transfer is evaluated on its own (worker.split.stages.timed): a dead peer fails it at once ("[ring] ..."),
 a hung one is caught by the group deadline as for pipelined scoring (cluster.groups.pool).
-Conditional steering, capture and grid jobs stay on the sequential (lockstep) path (worker.jobs).
+Capture and grid jobs pipeline elsewhere (worker.capture, worker.grid.pipelined: its generation builds on these
+micro-batches, each configuration's on its own prefix KV); conditional steering stays lockstep (worker.jobs).
 """
 
 from __future__ import annotations
