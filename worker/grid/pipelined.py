@@ -105,21 +105,27 @@ def generation(lm: LoadedModel, installs: Sequence[list], requests: Sequence[Gen
     """Texts per request per configuration (each its independent steered run's); None on every rank but the last.
     Prompts sharing a prefix read their configuration's prefix KV (`family_prefixes`), as its own job would."""
     ring = decode._Ring(lm)
-    last = ring.rank == ring.size - 1
-    per_config = -(-ring.size // len(installs))  # enough micro-batches in all to keep every rank busy
     reqs, groups = prompt_families(lm, requests, batching.prefix_reuse)
     wanted = [reqs[idx[0]].context[:prefix] for prefix, idx in groups if prefix]
     if wanted:
         reads_one_prefix(lm)  # its one-off self-check runs lockstep forwards: before the ring, on every rank
     prints, here = prompt_prints(lm, installs), prefix_owners(prompt_prints(lm, below(installs, lm.layers[1])))
-    micros: list[Any] = []
     with lm.hooks.installed(side_by_side(installs)):
         kv = family_prefixes(lm, prints, here, wanted)
-        for c in range(len(installs)):  # the side-by-side hooks keep the store off (no fingerprint): `kv` answers
-            reqs, batches = decode.micro_parts(lm, requests, batching, per_config, lambda _, ts, c=c: {tuple(t): kv[here[c], tuple(t)] for t in ts})
-            micros += [_Steered(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], last, c,
-                                [i for _, _, idx in batch for i in idx]) for batch in batches]  # fmt: skip
+        size = -(-ring.size // len(installs))  # enough micro-batches in all to keep every rank busy
+        micros = [m for c in range(len(installs)) for m in _steered(lm, ring, c, requests, batching, size, kv, here[c])]
         return _decoded(lm, ring, micros, len(installs), requests)
+
+
+def _steered(lm: LoadedModel, ring: Any, config: int, requests: Sequence[GenRequest], batching: Batching, size: int,
+             kv: dict, owner: int) -> list[_Steered]:  # fmt: skip
+    """Configuration `config`'s micro-batches (decode.micro_parts': `size` at least), its families' prefills on the
+    prefix KV `owner` holds here (kv[owner, prefix]): the side-by-side hooks installed have no fingerprint, so the
+    store stays out of it (with no hook at all its entries are the unsteered configuration's, as kv's)."""
+    reqs, batches = decode.micro_parts(lm, requests, batching, size, lambda _, ts: {tuple(t): kv[owner, tuple(t)] for t in ts})
+    last = ring.rank == ring.size - 1
+    return [_Steered(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], last, config,
+                     [i for _, _, idx in batch for i in idx]) for batch in batches]  # fmt: skip
 
 
 def _decoded(lm: LoadedModel, ring: Any, micros: list, configs: int, requests: Sequence[GenRequest]) -> list[list]:
