@@ -87,11 +87,12 @@ def _family_grid(name: str, size: int) -> tuple[Steering, ...]:
     return tuple(out)
 
 
-def _family_prompts(sampled: bool) -> list[GenRequest]:
-    """Two families of prompts sharing a 40-token prefix (4 and 3 rows, suffixes of several lengths), two loose
-    prompts, stop strings on some, one with max_gen_toks 0; sampled ones with their own seeds."""
+def _family_prompts(sampled: bool, longer: bool = False) -> list[GenRequest]:
+    """Two families of prompts sharing a 40-token prefix (`longer`: the same 40 and 4 more, 44), 4 and 3 rows with
+    suffixes of several lengths, two loose prompts, stop strings on some, one with max_gen_toks 0; sampled ones
+    with their own seeds."""
     rng = np.random.default_rng(8)
-    heads = [tuple(rng.integers(3, 250, 40).tolist()) for _ in range(2)]
+    heads = [tuple(rng.integers(3, 250, 40).tolist()) + (2, 2, 2, 2) * longer for _ in range(2)]
     contexts = [heads[0] + tuple(rng.integers(3, 250, n).tolist()) for n in (1, 6, 3, 9)]
     contexts += [heads[1] + tuple(rng.integers(3, 250, n).tolist()) for n in (2, 5, 1)]
     contexts += [tuple(rng.integers(3, 250, n).tolist()) for n in (7, 12)]
@@ -103,8 +104,9 @@ def _family_prompts(sampled: bool) -> list[GenRequest]:
     return out
 
 
-FAMILY_JOBS = {"family_greedy_b2": (False, 2), "family_greedy_b16": (False, 16), "family_sampled_b3": (True, 3),
-               "family_sampled_b16": (True, 16)}  # fmt: skip
+# label: (sampled, batch size, the longer prefix: the store's 40-token entries extended)
+FAMILY_JOBS = {"family_greedy_b2": (False, 2, False), "family_greedy_b16": (False, 16, False),
+               "family_sampled_b3": (True, 3, False), "family_sampled_b16": (True, 16, True)}  # fmt: skip
 
 
 def _captures(name: str, size: int) -> list[tuple]:
@@ -131,8 +133,8 @@ def _work(name: str, size: int) -> list[tuple]:
         ("grid_ll_b16", Job(kind="loglikelihood", grid=grid), _pairs(), Batching()),
         ("grid_greedy", Job(kind="generate", grid=grid), _prompts(False), Batching(batch_size=3)),
         ("grid_sampled", Job(kind="generate", grid=grid[:3]), _prompts(True), Batching(batch_size=4)),
-    ] + [(label, Job(kind="generate", grid=family), _family_prompts(sampled), Batching(batch_size=b))
-         for label, (sampled, b) in FAMILY_JOBS.items()]  # fmt: skip
+    ] + [(label, Job(kind="generate", grid=family), _family_prompts(sampled, longer), Batching(batch_size=b))
+         for label, (sampled, b, longer) in FAMILY_JOBS.items()]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -238,13 +240,15 @@ def test_a_generation_grid_on_prompts_sharing_a_prefix_equals_the_unsplit_grid_a
 def test_a_prefix_is_computed_once_per_fingerprint_and_found_by_the_next_job(ring, name):
     """The family grid's 2 prefixes under its K + 1 fingerprints on prompt positions (the unsteered and the
     continuation ones share one, the two steering the last rank's first layer another): stored by the first job on
-    every rank (as many lookups as a worker's), found whole by the next ones."""
+    every rank (as many lookups as a worker's), found whole by the next ones, or extended by 4 tokens (each pass on
+    from its own fingerprint's entry)."""
     size, reports = ring
-    first, *later = FAMILY_JOBS
+    passes = 2 * (size + 1)
     for report in reports:
         lookups = report["lookups"][name]
-        assert lookups[first] == (0, 0, 2 * (size + 1)), lookups
-        assert all(lookups[label] == (2 * (size + 1), 0, 0) for label in later), lookups
+        want = {label: (0, passes, 0) if longer else (passes, 0, 0) for label, (_, _, longer) in FAMILY_JOBS.items()}
+        want[next(iter(FAMILY_JOBS))] = (0, 0, passes)
+        assert {label: lookups[label] for label in FAMILY_JOBS} == want, lookups
 
 
 @pytest.mark.parametrize("name", ["stories", "qwen2"])
@@ -252,12 +256,13 @@ def test_a_rank_keeps_one_prefix_kv_for_configurations_alike_on_its_layers(ring,
     """Every rank stores each prefix under the K + 1 fingerprints, and holds one KV per fingerprint of the hooks on
     its layers and below: the unsteered one, and one per rank's first layer at or below its own."""
     size, reports = ring
-    heads = {r.context[:40] for r in _family_prompts(False)}
     firsts = [start for start, _ in _ranges(name, size)]
-    for report, (_, end) in zip(reports, _ranges(name, size)):
-        held = [kv for tokens, kv in report["entries"][name] if tokens in heads]
-        assert len(held) == 2 * (size + 1)
-        assert len(set(held)) == 2 * (1 + sum(first < end for first in firsts))
+    for n, longer in ((40, False), (44, True)):
+        heads = {r.context[:n] for r in _family_prompts(False, longer)}
+        for report, (_, end) in zip(reports, _ranges(name, size)):
+            held = [kv for tokens, kv in report["entries"][name] if tokens in heads]
+            assert len(held) == 2 * (size + 1)
+            assert len(set(held)) == 2 * (1 + sum(first < end for first in firsts))
 
 
 @pytest.mark.parametrize("name", ["stories", "qwen2"])
