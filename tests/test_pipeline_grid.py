@@ -104,9 +104,13 @@ def _family_prompts(sampled: bool, longer: bool = False) -> list[GenRequest]:
     return out
 
 
-# label: (sampled, batch size, the longer prefix: the store's 40-token entries extended)
-FAMILY_JOBS = {"family_greedy_b2": (False, 2, False), "family_greedy_b16": (False, 16, False),
-               "family_sampled_b3": (True, 3, False), "family_sampled_b16": (True, 16, True)}  # fmt: skip
+# label: (sampled, batching, the longer prefix: the store's 40-token entries extended); the store off last (its
+# budget 0 empties it)
+FAMILY_JOBS = {"family_greedy_b2": (False, Batching(batch_size=2), False),
+               "family_greedy_b16": (False, Batching(), False),
+               "family_sampled_b3": (True, Batching(batch_size=3), False),
+               "family_sampled_b16": (True, Batching(), True),
+               "family_greedy_no_store": (False, Batching(batch_size=3, prefix_cache_mb=0), False)}  # fmt: skip
 
 
 def _captures(name: str, size: int) -> list[tuple]:
@@ -133,8 +137,8 @@ def _work(name: str, size: int) -> list[tuple]:
         ("grid_ll_b16", Job(kind="loglikelihood", grid=grid), _pairs(), Batching()),
         ("grid_greedy", Job(kind="generate", grid=grid), _prompts(False), Batching(batch_size=3)),
         ("grid_sampled", Job(kind="generate", grid=grid[:3]), _prompts(True), Batching(batch_size=4)),
-    ] + [(label, Job(kind="generate", grid=family), _family_prompts(sampled, longer), Batching(batch_size=b))
-         for label, (sampled, b, longer) in FAMILY_JOBS.items()]  # fmt: skip
+    ] + [(label, Job(kind="generate", grid=family), _family_prompts(sampled, longer), batching)
+         for label, (sampled, batching, longer) in FAMILY_JOBS.items()]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +167,13 @@ def unsplit(models):
 
 @pytest.fixture(scope="module", params=[2, 3])
 def ring(request, models):
-    """(K, each rank's report, its results, collectives, busy seconds and store lookups as {model: {label: ...}})."""
+    """(K, each rank's report; its results, collectives, busy seconds, lookups, entries: {model: {label: ...}})."""
     size = request.param
     work = [(name, job, reqs, b) for name in models for _, job, reqs, b in _work(name, size)]
     reports = run_split(models, Grouping(size=size, split="pipeline"), work, timeout=900)
     labels = [(name, label) for name in models for label, *_ in _work(name, size)]
     for report in reports:
-        for key in ("results", "collectives", "busy", "lookups"):
+        for key in ("results", "collectives", "busy", "lookups", "entries"):
             by_model: dict = {}
             for (name, label), value in zip(labels, report[key]):
                 by_model.setdefault(name, {})[label] = value
@@ -241,26 +245,27 @@ def test_a_prefix_is_computed_once_per_fingerprint_and_found_by_the_next_job(rin
     """The family grid's 2 prefixes under its K + 1 fingerprints on prompt positions (the unsteered and the
     continuation ones share one, the two steering the last rank's first layer another): stored by the first job on
     every rank (as many lookups as a worker's), found whole by the next ones, or extended by 4 tokens (each pass on
-    from its own fingerprint's entry)."""
+    from its own fingerprint's entry); with the store off, none (each pass runs, nothing is stored)."""
     size, reports = ring
     passes = 2 * (size + 1)
     for report in reports:
         lookups = report["lookups"][name]
         want = {label: (0, passes, 0) if longer else (passes, 0, 0) for label, (_, _, longer) in FAMILY_JOBS.items()}
-        want[next(iter(FAMILY_JOBS))] = (0, 0, passes)
+        want["family_greedy_b2"], want["family_greedy_no_store"] = (0, 0, passes), (0, 0, 0)
         assert {label: lookups[label] for label in FAMILY_JOBS} == want, lookups
 
 
 @pytest.mark.parametrize("name", ["stories", "qwen2"])
 def test_a_rank_keeps_one_prefix_kv_for_configurations_alike_on_its_layers(ring, name):
-    """Every rank stores each prefix under the K + 1 fingerprints, and holds one KV per fingerprint of the hooks on
-    its layers and below: the unsteered one, and one per rank's first layer at or below its own."""
+    """After the store's last family grid, every rank stores each prefix under the K + 1 fingerprints, and holds one
+    KV per fingerprint of the hooks on its layers and below: the unsteered one, and one per rank's first layer at or
+    below its own."""
     size, reports = ring
     firsts = [start for start, _ in _ranges(name, size)]
     for n, longer in ((40, False), (44, True)):
         heads = {r.context[:n] for r in _family_prompts(False, longer)}
         for report, (_, end) in zip(reports, _ranges(name, size)):
-            held = [kv for tokens, kv in report["entries"][name] if tokens in heads]
+            held = [kv for tokens, kv in report["entries"][name]["family_sampled_b16"] if tokens in heads]
             assert len(held) == 2 * (size + 1)
             assert len(set(held)) == 2 * (1 + sum(first < end for first in firsts))
 

@@ -171,7 +171,8 @@ def family_prefixes(lm: LoadedModel, prints: Sequence[str | None], here: Sequenc
     for c in sorted(set(owners)):
         for tokens in map(tuple, prefixes):
             found = start_from(lm, prints[c], tokens)
-            count(lm, found, len(tokens))
+            if prints[c] is not None and store(lm).budget > 0:  # the store's counters, as prefix_kv keeps them
+                count(lm, found, len(tokens))
             if found is not None and found[0] == len(tokens):
                 ready[c, tokens] = found[1]
             else:
