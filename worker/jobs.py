@@ -45,11 +45,11 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
         batching = batching.model_copy(update={"prefix_reuse": False})
     with steered(lm, job.steering, notes, fired):
         # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
-        # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
         # loglikelihood pairs) and generate, steered or not, prefix families included; capture (its rows ride
-        # forward); grid jobs (worker.grid, above); the last rank answers. Still lockstep (every stage after the
-        # other, an all_gather per forward): generate under conditional steering, and generation grids whose
-        # prompts share a prefix.
+        # forward); grid jobs of every kind (worker.grid, above: generation on prompts sharing a prefix too); the
+        # last rank answers. Nothing stays lockstep (every stage after the other, an all_gather per forward) on a
+        # pipeline group but conditional generate, which groups refuse for now (worker.steer); tensor groups run
+        # every kind lockstep.
         if job.kind == "loglikelihood":
             out = (pipelined_loglikelihood if pipelined(lm) else loglikelihood)(lm, requests, batching)
         elif job.kind == "generate" and fired is not None:
