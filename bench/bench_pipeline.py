@@ -17,7 +17,9 @@ per job, the store holding no earlier copy), greedy, --new-tokens each, texts co
 and grid rows (issue 26.3): each document's context captured at its last token at --points (one on each rank),
 unsplit vs pipelined; a loglikelihood grid of --grid-docs documents x (unsteered + one configuration per layer),
 the unsplit grid (blocks below each split run once) and each configuration alone on one worker vs the pipelined
-group (worker.grid.pipelined).
+group (worker.grid.pipelined); a generation grid of --grid-docs / 2 few-shot prompts (another --shot-tokens prefix)
+x the same configurations, the unsplit grid (prompt KV shared where configurations allow) vs the pipelined group
+(the prefix's KV once per distinct steering of prompt positions), texts compared.
 """
 
 from __future__ import annotations
@@ -172,9 +174,11 @@ def _more_kernels(size: int, split: str, task: dict) -> dict:
     points, steerings = task["points"], task["steerings"]
     cap = lambda kernel: (lambda lm, reqs, b: kernel(lm, reqs, points, b), "cap")  # noqa: E731
     grid = (lambda lm, reqs, b: run_grid(lm, "loglikelihood", steerings, reqs, b), "grid")
+    fewgrid = (lambda lm, reqs, b: run_grid(lm, "generate", steerings, reqs, b), "fewgrid")
     if size == 1:
-        return {"cap_unsplit": cap(capture), "grid_unsplit": grid, "grid_alone": (lambda lm, reqs, b: _each_alone(lm, steerings, reqs, b), "grid")}
-    return {"cap_pipelined": cap(pipelined_capture), "grid_pipelined": grid} if split == "pipeline" else {}
+        return {"cap_unsplit": cap(capture), "grid_unsplit": grid, "grid_alone": (lambda lm, reqs, b: _each_alone(lm, steerings, reqs, b), "grid"),
+                "fewgrid_unsplit": fewgrid}  # fmt: skip
+    return {"cap_pipelined": cap(pipelined_capture), "grid_pipelined": grid, "fewgrid_pipelined": fewgrid} if split == "pipeline" else {}
 
 
 def rank_main(task_path: str, rank: int) -> None:
@@ -202,7 +206,7 @@ def rank_main(task_path: str, rank: int) -> None:
     for name, (kernel, prompts) in gens.items():
         report[name] = _timed(lm, kernel, task[prompts], gen_batching[prompts], group)
     for name, (kernel, key) in (_more_kernels(size, task["split"], task) if task.get("more", True) else {}).items():
-        kernel(lm, task[key][:8], batching)  # warm-up
+        kernel(lm, task.get(key + "_warm", task[key][:8]), batching)  # warm-up (few-shot: another prefix)
         report[name] = _timed(lm, kernel, task[key], batching, group)
     Path(task_path).with_suffix(f".rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
@@ -235,10 +239,13 @@ ROWS = {  # table row: (launch kind, kernel name)
     "grid: 1 unsplit worker, shared blocks (anchor)": ("anchor", "grid_unsplit"),
     "grid: 1 unsplit worker, each alone": ("anchor", "grid_alone"),
     "grid: 1 group of 2, pipelined": ("group", "grid_pipelined"),
+    "few-shot grid: 1 unsplit worker (anchor)": ("anchor", "fewgrid_unsplit"),
+    "few-shot grid: 1 group of 2, pipelined": ("group", "fewgrid_pipelined"),
 }
 ANCHORS = {"generate": "generate: 1 unsplit worker (anchor)", "generate few-shot": "generate few-shot: 1 unsplit worker (anchor)",
            "capture": "capture: 1 unsplit worker (anchor)",
-           "grid": "grid: 1 unsplit worker, shared blocks (anchor)"}  # fmt: skip
+           "grid": "grid: 1 unsplit worker, shared blocks (anchor)",
+           "few-shot grid": "few-shot grid: 1 unsplit worker (anchor)"}  # fmt: skip
 
 
 def _anchor(name: str) -> str:
@@ -284,16 +291,18 @@ def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> N
     worst_cap = _worst(best, ANCHORS["capture"], lambda row: np.array(row["results"]))
     worst_grid = _worst(best, ANCHORS["grid"], lambda row: np.array([[lp for lp, _ in r] for r in row["results"]]))
     same = [sum(a == b for a, b in zip(best[f"{kind}: 1 group of 2, pipelined"]["results"], best[ANCHORS[kind]]["results"]))
-            for kind in ("generate", "generate few-shot")]  # fmt: skip
+            for kind in ("generate", "generate few-shot", "few-shot grid")]  # fmt: skip
     load = os.getloadavg()
     print(f"\nrandom llama hidden={args.hidden} layers={args.layers} ({weights_mb:.0f} MB); {args.docs} documents x 4 choices "
           f"of {args.tokens} tokens; batch {args.batch} ({-(-args.docs // args.batch)} micro-batches); generate {args.gen_rows} rows x "
           f"{args.new_tokens} tokens, batch {args.gen_batch} (few-shot: a {args.shot_tokens}-token prefix shared); one core and one BLAS thread per process ({anchor['blas']}); "
           f"load average {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
     print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5); generated texts identical {same[0]}/{args.gen_rows}, "
-          f"few-shot {same[1]}/{args.gen_rows}; captured rows max |d| {worst_cap:.1e}; grid max |dLL| {worst_grid:.1e}")
+          f"few-shot {same[1]}/{args.gen_rows}, few-shot grid {same[2]}/{args.grid_docs // 2} rows; captured rows max |d| "
+          f"{worst_cap:.1e}; grid max |dLL| {worst_grid:.1e}")  # fmt: skip
     print(f"capture: {len(best['capture: 1 unsplit worker (anchor)']['results'])} rows at {', '.join(args.points)}; grid: "
-          f"{args.grid_docs} documents x {args.layers + 1} configurations (unsteered, one per layer)")
+          f"{args.grid_docs} documents x {args.layers + 1} configurations (unsteered, one per layer); few-shot generation "
+          f"grid: {args.grid_docs // 2} few-shot prompts (another prefix) x the same configurations")  # fmt: skip
     print(f"| {'run':<46} | best s | all runs (s) | vs anchor | busy per rank |")
     print(f"|{'-' * 48}|-------:|-------------:|----------:|---------------|")
     for name, row in best.items():
@@ -347,7 +356,9 @@ def main() -> None:
         gen = {"gen": generations(args.gen_rows, args.tokens, vocab, args.new_tokens),
                "fewshot": generations(args.gen_rows, args.tokens, vocab, args.new_tokens, shots=args.shot_tokens),
                "gen_warm": generations(4, args.tokens, vocab, args.new_tokens, seed=2),
-               "fewshot_warm": generations(4, args.tokens, vocab, args.new_tokens, seed=3, shots=args.shot_tokens)}
+               "fewshot_warm": generations(4, args.tokens, vocab, args.new_tokens, seed=3, shots=args.shot_tokens),
+               "fewgrid": generations(args.grid_docs // 2, args.tokens, vocab, args.new_tokens, seed=4, shots=args.shot_tokens),
+               "fewgrid_warm": generations(4, args.tokens, vocab, args.new_tokens, seed=5, shots=args.shot_tokens)}
         runs, best = measure(args, model, documents(args.docs, args.tokens, vocab), gen, folder)
         report(args, runs, best, weights_bytes(model) / 1e6, time.monotonic() - start)
     finally:

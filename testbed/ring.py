@@ -5,8 +5,9 @@ the ring, loads its share of every model in `models` ({name: folder}; worker.loa
 every (name, Job, requests[, Batching]) of `work` through worker.jobs.run, in the same order, as a group's ranks
 do. Returns each rank's report: its layers and peak memory per model, results (a job that raised gives
 "error: <message>"), `clock`, its pipelined busy and waiting time (worker.split.stages.CLOCK), per job the
-collectives it called (`collectives`: all_sum, all_gather, ... counted) and its pipelined busy seconds (`busy`),
-and per model its prefix store's counters after the work (worker.prefix_cache).
+collectives it called (`collectives`: all_sum, all_gather, ... counted), its pipelined busy seconds (`busy`) and
+its prefix store's (hits, extended, misses) (`lookups`) and entries after it (`entries`: (tokens, the id of the
+stored KV) each), and per model its prefix store's counters after the work (worker.prefix_cache).
 A grouping of size 1 loads the whole models unsplit.
 """
 
@@ -91,6 +92,11 @@ def _count_collectives(distributed: Any) -> list[int]:
     return calls
 
 
+def _lookups(store: Any) -> tuple[int, int, int]:
+    """A prefix store's (hits, extended, misses) so far."""
+    return store.hits, store.extended, store.misses
+
+
 def main(task_path: str, rank: int) -> None:
     import mlx.core as mx
 
@@ -110,17 +116,19 @@ def main(task_path: str, rank: int) -> None:
         layers[name], load_peak[name] = models[name].layers, peak_memory_gb()
     held = {name: weights_held(lm) for name, lm in models.items()}
     calls = _count_collectives(mx.distributed)
-    results, collectives, busy = [], [], []
+    results, collectives, busy, lookups, entries = [], [], [], [], []
     for name, job, requests, *rest in task["work"]:
-        before = calls[0], CLOCK.busy
+        before = calls[0], CLOCK.busy, _lookups(store(models[name]))
         results.append(_job(models[name], job, requests, *rest))
         collectives.append(calls[0] - before[0])
         busy.append(CLOCK.busy - before[1])
+        lookups.append(tuple(a - b for a, b in zip(_lookups(store(models[name])), before[2])))
+        entries.append([(tokens, id(kv)) for (_, tokens), (kv, _) in store(models[name]).entries.items()])
     cascade = {name: getattr(lm.model, "_orchard_cascade", None) for name, lm in models.items()}  # its verdict, if asked
     stores = {name: store(lm).stats() for name, lm in models.items()}
     report = {"rank": rank, "layers": layers, "load_peak_gb": load_peak, "peak_gb": peak_memory_gb(),
               "weights_bytes": held, "results": results, "cascade": cascade, "clock": CLOCK, "prefix_store": stores,
-              "collectives": collectives, "busy": busy}  # fmt: skip
+              "collectives": collectives, "busy": busy, "lookups": lookups, "entries": entries}  # fmt: skip
     (Path(task_path).parent / f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 

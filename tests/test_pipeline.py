@@ -2,8 +2,8 @@
 the last rank's loglikelihood and rolling numbers equal the unsplit model's per request (<= 1e-5) for several
 batch sizes (so several micro-batch counts), with and without prefix families, and steered at a layer on every
 rank; only the last rank holds numbers, and every rank spent time computing (worker.split.stages.CLOCK). A
-lockstep job (a generation grid over prompts sharing a prefix: worker.jobs), a pipelined capture and a pipelined
-generate job (prompts sharing a prefix: worker.split.decode) between the scoring ones keep their numbers: the
+pipelined generate job (prompts sharing a prefix: worker.split.decode), a pipelined capture and a pipelined
+generation grid on the same prompts (worker.grid.pipelined) between the scoring ones keep their numbers: the
 paths share one ring.
 
 Models: the shipped TinyStories-260K (a llama of 5 layers: 3|2 over 2 ranks, 2|2|1 over 3) and a generated qwen2
@@ -60,8 +60,8 @@ def _steer(layers: list[int]) -> Steering:
 
 
 def _work(name: str, size: int) -> list[tuple]:
-    """(label, job, requests, batching) on one model; a lockstep generation grid, a pipelined capture and a
-    pipelined generate job sit between the pipelined scoring ones."""
+    """(label, job, requests, batching) on one model; a pipelined generate job, capture and generation grid sit
+    between the pipelined scoring ones."""
     pairs = _requests()
     out = [(f"ll_{b}", Job(kind="loglikelihood"), pairs, batching) for b, batching in BATCHINGS.items()]
     shots = tuple(range(3, 43))  # a 40-token shared prefix: its KV runs once (on every rank, its layers)
@@ -69,7 +69,7 @@ def _work(name: str, size: int) -> list[tuple]:
     points = tuple(f"resid_post.{layer}" for layer in _firsts(name, size))
     out.insert(2, ("generate", Job(kind="generate"), gen, Batching()))
     out.insert(3, ("capture", Job(kind="capture", points=points), [(shots + (5, 9), -1), ((1, 7, 8), 1)], Batching()))
-    grid = (Steering(), _steer(_firsts(name, size)[-1:]))  # prompts sharing a prefix: a grid runs them lockstep
+    grid = (Steering(), _steer(_firsts(name, size)[-1:]))  # prompts sharing a prefix: its KV once per configuration
     out.insert(4, ("grid_generate", Job(kind="generate", grid=grid), gen, Batching()))
     out.append(("steered", Job(kind="loglikelihood", steering=_steer(_firsts(name, size))), pairs, Batching(batch_size=4)))
     return out
@@ -140,7 +140,8 @@ def test_jobs_between_pipelined_ones_keep_their_results(ring, unsplit, name):
         assert np.abs(g - w).max() <= 1e-5 * max(1.0, float(np.abs(w).max()))
     grid = unsplit[name, size]["grid_generate"]
     assert grid[0][0] != grid[0][1]  # the steering changed the text
-    assert reports[-1]["results"][name]["grid_generate"] == grid  # lockstep: every stage after the other
+    assert reports[-1]["results"][name]["grid_generate"] == grid  # pipelined too: the last rank answers
+    assert all(r["results"][name]["grid_generate"] == [[None] * 2] * len(grid) for r in reports[:-1])
 
 
 def test_every_rank_computed_and_only_the_last_read_numbers(ring):

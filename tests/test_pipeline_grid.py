@@ -2,9 +2,10 @@
 (127.0.0.1, no Ray): the last rank's captured rows (resid and attn_head points on every rank, a point on rank 0
 only, under steering) equal the unsplit capture; a grid of configurations steering layers on every rank (one at a
 rank's last layer, one on two ranks, one on continuation positions only) equals the unsplit grid and independent
-steered runs, for loglikelihood (prefix families included) and greedy and seeded-sampled generation. Only the last
-rank holds numbers; no job calls a collective per batch (the hooks' idle check, once per job, is the only one), while
-a lockstep job does; the ranks past a capture's deepest point run no layers.
+steered runs, for loglikelihood (prefix families included) and greedy and seeded-sampled generation, on prompts
+sharing a 40-token prefix too (its KV computed once per fingerprint on prompt positions, then found in the store).
+Only the last rank holds numbers; no job calls a collective per batch (the hooks' idle check, once per job, is the
+only one); the ranks past a capture's deepest point run no layers.
 
 Models: the shipped TinyStories-260K (a llama of 5 layers: 3|2 over 2 ranks, 2|2|1 over 3) and a generated qwen2
 of 4 layers (3|1 and 2|1|1): uneven layer counts on both.
@@ -74,6 +75,44 @@ def _prompts(sampled: bool) -> list[GenRequest]:
     return out
 
 
+def _family_grid(name: str, size: int) -> tuple[Steering, ...]:
+    """Unsteered; each rank's first layer at every position (its prefix KV differs on that rank and above: below it,
+    a rank keeps one KV for it and the unsteered); the last rank's first layer again with continuation steering at
+    rank 0 (alike on prompt positions: it reads the same prefix KV); each rank's first layer on continuation
+    positions only (its prefix KV is the unsteered one)."""
+    firsts = [start for start, _ in _ranges(name, size)]
+    out = [Steering()] + [Steering(interventions=(_iv(layer, layer),)) for layer in firsts]
+    out.append(Steering(interventions=(_iv(firsts[-1], firsts[-1]), _iv(firsts[0], 80, positions="continuation"))))
+    out.append(Steering(interventions=tuple(_iv(layer, 70 + layer, positions="continuation") for layer in firsts)))
+    return tuple(out)
+
+
+def _family_prompts(sampled: bool, longer: bool = False) -> list[GenRequest]:
+    """Two families of prompts sharing a 40-token prefix (`longer`: the same 40 and 4 more, 44), 4 and 3 rows with
+    suffixes of several lengths, two loose prompts, stop strings on some, one with max_gen_toks 0; sampled ones
+    with their own seeds."""
+    rng = np.random.default_rng(8)
+    heads = [tuple(rng.integers(3, 250, 40).tolist()) + (2, 2, 2, 2) * longer for _ in range(2)]
+    contexts = [heads[0] + tuple(rng.integers(3, 250, n).tolist()) for n in (1, 6, 3, 9)]
+    contexts += [heads[1] + tuple(rng.integers(3, 250, n).tolist()) for n in (2, 5, 1)]
+    contexts += [tuple(rng.integers(3, 250, n).tolist()) for n in (7, 12)]
+    out = []
+    for i, context in enumerate(contexts):
+        settings = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=400 + i) if sampled else {}
+        out.append(GenRequest(context=context, until=(".",) if i % 3 == 1 else (), max_gen_toks=0 if i == 5 else 3 + i % 4,
+                              **settings))  # fmt: skip
+    return out
+
+
+# label: (sampled, batching, the longer prefix: the store's 40-token entries extended); the store off last (its
+# budget 0 empties it)
+FAMILY_JOBS = {"family_greedy_b2": (False, Batching(batch_size=2), False),
+               "family_greedy_b16": (False, Batching(), False),
+               "family_sampled_b3": (True, Batching(batch_size=3), False),
+               "family_sampled_b16": (True, Batching(), True),
+               "family_greedy_no_store": (False, Batching(batch_size=3, prefix_cache_mb=0), False)}  # fmt: skip
+
+
 def _captures(name: str, size: int) -> list[tuple]:
     ranges = _ranges(name, size)
     firsts = [start for start, _ in ranges]
@@ -90,17 +129,16 @@ def _captures(name: str, size: int) -> list[tuple]:
 
 
 def _work(name: str, size: int) -> list[tuple]:
-    """(label, job, requests, batching) on one model; a lockstep job (a generation grid on prompts sharing a
-    prefix) last."""
-    grid = _grid(name, size)
-    shots = tuple(range(3, 43))
-    family = [GenRequest(context=shots + (5, 9), max_gen_toks=3), GenRequest(context=shots + (7,), max_gen_toks=3)]
+    """(label, job, requests, batching) on one model; generation grids on prompts sharing prefixes last (the first
+    computes their prefix KV, the others find it in the store)."""
+    grid, family = _grid(name, size), _family_grid(name, size)
     return _captures(name, size) + [
         ("grid_ll_b3", Job(kind="loglikelihood", grid=grid), _pairs(), Batching(batch_size=3)),
         ("grid_ll_b16", Job(kind="loglikelihood", grid=grid), _pairs(), Batching()),
         ("grid_greedy", Job(kind="generate", grid=grid), _prompts(False), Batching(batch_size=3)),
         ("grid_sampled", Job(kind="generate", grid=grid[:3]), _prompts(True), Batching(batch_size=4)),
-        ("lockstep", Job(kind="generate", grid=grid[:2]), family, Batching())]  # fmt: skip
+    ] + [(label, Job(kind="generate", grid=family), _family_prompts(sampled, longer), batching)
+         for label, (sampled, batching, longer) in FAMILY_JOBS.items()]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +167,13 @@ def unsplit(models):
 
 @pytest.fixture(scope="module", params=[2, 3])
 def ring(request, models):
-    """(K, each rank's report, its results, collectives and busy seconds as {model: {label: ...}})."""
+    """(K, each rank's report; its results, collectives, busy seconds, lookups, entries: {model: {label: ...}})."""
     size = request.param
     work = [(name, job, reqs, b) for name in models for _, job, reqs, b in _work(name, size)]
     reports = run_split(models, Grouping(size=size, split="pipeline"), work, timeout=900)
     labels = [(name, label) for name in models for label, *_ in _work(name, size)]
     for report in reports:
-        for key in ("results", "collectives", "busy"):
+        for key in ("results", "collectives", "busy", "lookups", "entries"):
             by_model: dict = {}
             for (name, label), value in zip(labels, report[key]):
                 by_model.setdefault(name, {})[label] = value
@@ -190,21 +228,66 @@ def test_a_generation_grid_equals_the_unsplit_grid_and_independent_steered_runs(
     assert reports[0]["results"][name][label] == [[None] * len(want[0])] * len(want)
 
 
+@pytest.mark.parametrize("label", list(FAMILY_JOBS))
 @pytest.mark.parametrize("name", ["stories", "qwen2"])
-def test_no_collective_runs_per_batch_and_only_reached_ranks_compute(ring, unsplit, name):
-    """Capture and grid jobs call one collective per install of hooks (their idle check: worker.hooks.manager), once
-    per job whatever the number of micro-batches; the lockstep job calls one per forward. A capture at layer 0 runs
-    no layer past rank 0."""
+def test_a_generation_grid_on_prompts_sharing_a_prefix_equals_the_unsplit_grid_and_independent_runs(ring, unsplit, name, label):
     size, reports = ring
+    want, got = unsplit[name, size][label], reports[-1]["results"][name][label]
+    assert got == want
+    assert [list(col) for col in zip(*got)] == unsplit[name, size][label + "_alone"]
+    plain = [row[0] for row in got]
+    assert all(any(row[c] != p for row, p in zip(got, plain)) for c in range(1, len(got[0])))  # each one steers
+    assert all(r["results"][name][label] == [[None] * len(want[0])] * len(want) for r in reports[:-1])
+
+
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_a_prefix_is_computed_once_per_fingerprint_and_found_by_the_next_job(ring, name):
+    """The family grid's 2 prefixes under its K + 1 fingerprints on prompt positions (the unsteered and the
+    continuation ones share one, the two steering the last rank's first layer another): stored by the first job on
+    every rank (as many lookups as a worker's), found whole by the next ones, or extended by 4 tokens (each pass on
+    from its own fingerprint's entry); with the store off, none (each pass runs, nothing is stored)."""
+    size, reports = ring
+    passes = 2 * (size + 1)
+    for report in reports:
+        lookups = report["lookups"][name]
+        want = {label: (0, passes, 0) if longer else (passes, 0, 0) for label, (_, _, longer) in FAMILY_JOBS.items()}
+        want["family_greedy_b2"], want["family_greedy_no_store"] = (0, 0, passes), (0, 0, 0)
+        assert {label: lookups[label] for label in FAMILY_JOBS} == want, lookups
+
+
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_a_rank_keeps_one_prefix_kv_for_configurations_alike_on_its_layers(ring, name):
+    """After the store's last family grid, every rank stores each prefix under the K + 1 fingerprints, and holds one
+    KV per fingerprint of the hooks on its layers and below: the unsteered one, and one per rank's first layer at or
+    below its own."""
+    size, reports = ring
+    firsts = [start for start, _ in _ranges(name, size)]
+    for n, longer in ((40, False), (44, True)):
+        heads = {r.context[:n] for r in _family_prompts(False, longer)}
+        for report, (_, end) in zip(reports, _ranges(name, size)):
+            held = [kv for tokens, kv in report["entries"][name]["family_sampled_b16"] if tokens in heads]
+            assert len(held) == 2 * (size + 1)
+            assert len(set(held)) == 2 * (1 + sum(first < end for first in firsts))
+
+
+@pytest.mark.parametrize("name", ["stories", "qwen2"])
+def test_no_collective_runs_per_batch_and_only_reached_ranks_compute(ring, name):
+    """Capture and grid jobs (generation on prompts sharing a prefix too: nothing generate-kind stays lockstep on a
+    pipeline group) call one collective per install of hooks (their idle check: worker.hooks.manager), once per job
+    whatever the number of micro-batches (2 to 16 rows each here); the first to share a prefix also runs the
+    model's one-off cascade self-check (worker.cascade.usable: 3 lockstep forwards, before the ring). A capture at
+    layer 0 runs no layer past rank 0."""
+    size, reports = ring
+    first = next(iter(FAMILY_JOBS))
     for report in reports:
         counts = report["collectives"][name]
-        want = {label: 2 if label == "capture_steered" else 1 for label in counts if label != "lockstep"}  # steering, capture
-        assert {label: counts[label] for label in want} == want, counts
-        assert counts["lockstep"] > 3, counts  # the count is real: an all_gather per lockstep forward
-        assert report["results"][name]["lockstep"] == unsplit[name, size]["lockstep"]
+        want = {label: 2 if label == "capture_steered" else 1 for label in counts}  # steering, capture
+        want[first] += 3
+        assert counts == want, counts
     busy = [report["busy"][name] for report in reports]
     assert busy[0]["capture_rank0"] > 0 and all(b["capture_rank0"] == 0 for b in busy[1:])
-    assert all(b[label] > 0 for b in busy for label in ("capture_resid", "grid_ll_b3", "grid_greedy"))
+    labels = ("capture_resid", "grid_ll_b3", "grid_greedy", *FAMILY_JOBS)
+    assert all(b[label] > 0 for b in busy for label in labels)
 
 
 def test_capture_with_sends_overlapped_keeps_its_rows(models, monkeypatch):

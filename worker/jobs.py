@@ -43,9 +43,10 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
     with steered(lm, job.steering, notes, fired):
         # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
         # loglikelihood pairs) and generate, steered or not, conditional or not, prefix families included; capture
-        # (its rows ride forward); grid jobs (worker.grid, above); the last rank answers. A conditional decision
-        # made on one rank travels with the hidden state to the next (worker.split.pipeline). Still lockstep
-        # (every stage after the other, an all_gather per forward): generation grids whose prompts share a prefix.
+        # (its rows ride forward); grid jobs of every kind (worker.grid, above: generation on prompts sharing a prefix
+        # too); the last rank answers. A conditional decision made on one rank travels with the hidden state to the
+        # next (worker.split.pipeline). Nothing stays lockstep (every stage after the other, an all_gather per
+        # forward) on a pipeline group; tensor groups run every kind lockstep.
         if job.kind == "loglikelihood":
             out = (pipelined_loglikelihood if pipelined(lm) else loglikelihood)(lm, requests, batching)
         elif job.kind == "generate" and pipelined(lm):

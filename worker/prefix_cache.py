@@ -171,10 +171,29 @@ def stored(lm: Any, tokens: tuple[int, ...]) -> tuple[str | None, tuple[int, lis
     """(the store's fingerprint of the installed hooks, None when the store is off for them; the (length, cache)
     of the longest stored prefix of `tokens` to start from: all of them, or at least MIN_SHARED_PREFIX tokens).
     Counts nothing; marks the entry found most recently used."""
+    fp = fingerprint(lm.hooks) if store(lm).budget > 0 else None
+    return fp, start_from(lm, fp, tokens)
+
+
+def start_from(lm: Any, fp: str | None, tokens: tuple[int, ...]) -> tuple[int, list] | None:
+    """The (length, cache) of the longest prefix of `tokens` stored under fingerprint `fp` to start from: all of
+    them, or at least MIN_SHARED_PREFIX tokens (None: none, `fp` None or the store off). Counts nothing; marks the
+    entry found most recently used."""
     s = store(lm)
-    fp = fingerprint(lm.hooks) if s.budget > 0 else None
-    found = s.longest(fp, tokens) if fp is not None else None
-    return fp, found if found is not None and found[0] >= min(len(tokens), MIN_SHARED_PREFIX) else None
+    found = s.longest(fp, tokens) if fp is not None and s.budget > 0 else None
+    return found if found is not None and found[0] >= min(len(tokens), MIN_SHARED_PREFIX) else None
+
+
+def count(lm: Any, found: tuple[int, list] | None, n: int) -> None:
+    """Count a lookup of n prefix tokens that found `found` (`start_from`'s): a hit, an extension or a miss."""
+    s = store(lm)
+    if found is not None and found[0] == n:
+        s.hits += 1
+    elif found is not None:
+        s.extended += 1
+    else:
+        s.misses += 1
+    s.reused += found[0] if found is not None else 0
 
 
 def prefix_kv(lm: Any, tokens: Sequence[int], compute: Callable | None = None) -> list | None:
@@ -191,15 +210,9 @@ def prefix_kv(lm: Any, tokens: Sequence[int], compute: Callable | None = None) -
     fp, found = stored(lm, tokens)
     if fp is None:
         return compute(lm, tokens, None) if compute is not None else _family_cache(lm, tokens)
+    count(lm, found, len(tokens))
     if found is not None and found[0] == len(tokens):
-        s.hits += 1
-        s.reused += len(tokens)
         return found[1]
-    if found is not None:
-        s.extended += 1
-        s.reused += found[0]
-    else:
-        s.misses += 1
     if compute is not None:
         cache = compute(lm, tokens, found)
     else:

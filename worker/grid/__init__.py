@@ -17,7 +17,7 @@ computed once, each configuration's upper layers' caches once per configuration 
 independent steered run computes them). Generation (`generation`) shares prompts the same way through the
 prefix store: configurations alike on prompt positions share each whole prompt's KV (and decode side by side,
 a row per request and configuration), the others of one split its unsteered lower layers' KV and the state
-entering block s.
+entering block s. On a pipeline group every grid job is pipelined instead (`pipelined`).
 
 The mechanism is generic over mlx-lm models because it touches only the decoder blocks, the way
 worker.hooks does: for the duration of one forward a block's class is swapped for a subclass whose
@@ -65,7 +65,7 @@ def run_grid(
         raise SteeringError("a grid of configurations cannot hold conditional steering yet: run each as its own job")
     configs, owner = distinct(steerings)
     batching = batching or Batching()
-    if pipelined.pipelines(lm, kind, requests, batching):  # a pipeline group: (configuration, batch) micro-batches
+    if pipelined.pipelines(lm):  # a pipeline group: (configuration, batch) micro-batches
         out = pipelined.run(lm, kind, configs, requests, batching)
     else:
         out = (grid_loglikelihood if kind == "loglikelihood" else grid_generate)(lm, configs, requests, batching)

@@ -21,13 +21,14 @@ a hung one is caught by the group deadline as for pipelined scoring (cluster.gro
 Conditional steering pipelines too: each row runs under "configuration" = its request index (Rows.configs), which
 keeps its decision for the decode rounds (worker.hooks.condition), the decisions travel with the hidden state
 (worker.split.pipeline), and a family's prefix runs once per combination of decisions (worker.hooks.condition_share).
-Capture and grid jobs stay on the sequential (lockstep) path (worker.jobs).
+Capture and grid jobs pipeline elsewhere (worker.capture, worker.grid.pipelined: its generation builds on these
+micro-batches, each configuration's on its own prefix KV).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,15 +229,17 @@ def shared_prefixes(lm: Any, prefixes: Sequence[tuple[int, ...]]) -> dict[tuple[
     return ready
 
 
-def micro_parts(lm: Any, requests: Sequence[GenRequest], batching: Batching, size: int) -> tuple[list[GenRequest], list[list[tuple]]]:
+def micro_parts(
+    lm: Any, requests: Sequence[GenRequest], batching: Batching, size: int, prefixes: Callable = shared_prefixes
+) -> tuple[list[GenRequest], list[list[tuple]]]:
     """The requests truncated as the unsplit kernel does, and the micro-batches: decode batches of prompt_parts'
-    parts ((prefix KV or None, prefix length, request indices) each; the prefixes through `shared_prefixes`, then
-    stored as prefix_kv stores them), longest prompts first, at most batch_size rows each, and at least `size`
-    micro-batches where there are that many rows."""
+    parts ((prefix KV or None, prefix length, request indices) each; the prefixes through `prefixes(lm, tokens)`
+    (`shared_prefixes`; worker.grid.pipelined: a configuration's), then stored as prefix_kv stores them), longest
+    prompts first, at most batch_size rows each, and at least `size` micro-batches where there are that many rows."""
     reqs, families = prompt_families(lm, requests, batching.prefix_reuse)
     rows = sum(len(idx) for _, idx in families)
     per = min(batching.batch_size, max(1, math.ceil(rows / size)))
-    ready = shared_prefixes(lm, [reqs[idx[0]].context[:prefix] for prefix, idx in families if prefix])
+    ready = prefixes(lm, [reqs[idx[0]].context[:prefix] for prefix, idx in families if prefix])
     reqs, parts = prompt_parts(lm, requests, batch_size=per, prefix_reuse=batching.prefix_reuse,
                                compute=lambda lm, tokens, found: ready[tokens])  # fmt: skip
     return reqs, _decode_batches(parts, per)
