@@ -68,7 +68,7 @@ def free_units(want: int = 4, wait: float = 20.0) -> float:
 def alive_ranks() -> list:
     """Rank actors Ray still counts alive (the actor table, as cluster.failures reads it)."""
     table = ray._private.state.actors().values()
-    return [a for a in table if a["State"] != "DEAD" and a["ActorClassName"] in ("Slow", "Stuck", "GroupRank", "TakenPort")]
+    return [a for a in table if a["State"] != "DEAD" and a["ActorClassName"] in ("Slow", "Stuck", "GroupRank", "TakenPort", "SlowStart")]
 
 
 @pytest.mark.parametrize("split", ["pipeline", "tensor"])
@@ -263,7 +263,7 @@ def _running(pid: int) -> bool:
 
 
 class Stuck(Slow):
-    """A rank of a re-formed group (formation > 0) that never gives its ring address (a node that cannot start it)."""
+    """A rank of a re-formed group (formation > 0) that never gives its ring address (its process up, then hung)."""
 
     def address(self) -> str:
         if self.formation:
@@ -288,6 +288,37 @@ def test_losing_every_group_is_one_line(ray_cluster, llama_path, tasks):
     assert "\n" not in message and message.startswith("every worker group is lost (group g0 lost: rank 1 on "), message
     assert "; not re-formed: rank 0 on " in message and "did not give its ring address within 2 s)" in message
     assert "loglikelihood requests finished" in message
+    assert not alive_ranks() and free_units() == 4
+
+
+class SlowStart(GroupRank):
+    """A rank whose process takes `delay` s to start (its constructor: a fresh Python's imports on a busy machine)."""
+
+    delay: float = 0.0
+
+    def __init__(self, *args, **kwargs):
+        time.sleep(self.delay)
+        super().__init__(*args, **kwargs)
+
+
+def test_a_rank_s_start_is_not_counted_against_its_address_deadline(ray_cluster, llama_path, monkeypatch):
+    """Ray starting a rank's process (minutes on a busy machine: CI's rank 0 once missed a 60 s address deadline) is
+    the start step's wait: ranks taking 8 s to start still form under a 3 s address deadline, and a 1 s start
+    deadline refuses them in one line, leaving nothing behind."""
+    form = sys.modules["cluster.groups.form"]  # (cluster.groups.form is also the name of its `form` function)
+
+    actor = type("SlowStart", (SlowStart,), {"delay": 8.0})
+    monkeypatch.setattr(form, "ADDRESS_TIMEOUT", 3.0)
+    lm = open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=1)
+    try:
+        (facts,) = lm.executor.wait_ready()
+    finally:
+        lm.executor.close()
+    assert [r["rank_in_group"] for r in facts["ranks"]] == [0, 1]
+    monkeypatch.setattr(form, "START_TIMEOUT", 1.0)
+    with pytest.raises(ClusterError) as e:
+        open_lm(llama_path, grouped(actor), group_size=2, split="pipeline", workers=1)
+    assert str(e.value).startswith("group g0 rank ") and str(e.value).endswith(" did not start within 1 s"), str(e.value)
     assert not alive_ranks() and free_units() == 4
 
 
