@@ -28,6 +28,21 @@ if MMLU_CACHE.is_dir():
     shutil.copytree(MMLU_CACHE, _cache / MMLU_CACHE.name)
 
 
+NO_TORCH = Path(__file__).resolve().parents[1] / "testbed" / "notorch"  # its sitecustomize hides PyTorch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_without_torch():
+    """Every process the tests start (Ray's workers, `driver` subprocesses, ring ranks) runs without PyTorch, as on a
+    user's install, where torch is absent (a test extra: lm-eval's hf oracle, which runs in this process). Else
+    transformers imports it in each: a Ray worker's start took 4.4 s of CPU with it, 1.9 s without. Set in the process
+    that runs the tests (a fixture), never in pytest-xdist's controller, whose worker processes need torch."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(NO_TORCH), *([before] if before else [])])
+    yield
+    os.environ.pop("PYTHONPATH") if before is None else os.environ.__setitem__("PYTHONPATH", before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _remove_datasets_cache():
     yield
