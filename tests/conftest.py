@@ -28,6 +28,23 @@ if MMLU_CACHE.is_dir():
     shutil.copytree(MMLU_CACHE, _cache / MMLU_CACHE.name)
 
 
+# The files that take longest, longest first (seconds summed over their tests, the suite's --durations on this box):
+# pytest-xdist (--dist loadfile --no-loadscope-reorder) hands a process one whole file at a time in collection
+# order, so these start first and the many short files fill the end, instead of a long file starting last.
+SLOW_FILES = [
+    "test_groups.py", "test_cluster.py", "test_cli.py", "test_sweep.py", "test_fresh_install.py", "test_rerun.py",
+    "test_nodes.py", "test_errors.py", "test_ux_phases.py", "test_ux_names.py", "test_cli_faults.py", "test_identity.py",
+    "test_steering_run.py", "test_stream.py", "test_vectors.py", "test_stage.py", "test_guards_probe_seed.py",
+    "test_guards_probe_loss.py", "test_ux_sweep.py", "test_steer_condition.py", "test_steer_ops.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    """The slow files first (SLOW_FILES' order), then the others in their own order; tests keep theirs in a file."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 NO_TORCH = Path(__file__).resolve().parents[1] / "testbed" / "notorch"  # its sitecustomize hides PyTorch
 
 
