@@ -42,9 +42,9 @@ def _cached(db_path) -> int:
         return 0
 
 
-def _kill_a_rank_once_results_arrive(proc: subprocess.Popen, db_path, seconds: float = 300) -> tuple[int, list]:
+def _kill_a_rank_once_results_arrive(proc: subprocess.Popen, db_path, stderr, seconds: float = 300) -> tuple[int, list]:
     """SIGKILL one rank once the first chunk is cached (lm-eval's later request kinds are still to run):
-    (rows cached when it was killed, every process of the run seen then)."""
+    (rows cached when it was killed, every process of the run seen then). Else fail with the run's stderr."""
     deadline = time.monotonic() + seconds
     while proc.poll() is None and time.monotonic() < deadline:
         rows, ranks = _cached(db_path), _ranks(proc)
@@ -53,7 +53,7 @@ def _kill_a_rank_once_results_arrive(proc: subprocess.Popen, db_path, seconds: f
             max(ranks, key=lambda p: p.pid).send_signal(signal.SIGKILL)
             return rows, seen
         time.sleep(0.01)
-    pytest.fail(f"no rank killed: the run ended (exit {proc.poll()}) or sent nothing within {seconds:g} s")
+    pytest.fail(f"no rank killed: the run ended (exit {proc.poll()}) or sent nothing within {seconds:g} s:\n{stderr.read_text()[-3000:]}")
 
 
 def _watch(proc: subprocess.Popen, seconds: float) -> list[psutil.Process]:
@@ -88,7 +88,7 @@ def test_a_rank_killed_mid_run_on_the_local_cluster_loses_one_group_and_the_numb
     with open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=driver_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err)
         try:
-            rows, seen = _kill_a_rank_once_results_arrive(proc, out / "cache" / "results.sqlite")
+            rows, seen = _kill_a_rank_once_results_arrive(proc, out / "cache" / "results.sqlite", tmp_path / "stderr")
             seen += _watch(proc, 300)
         finally:
             proc.kill()
