@@ -61,6 +61,29 @@ def _children_without_torch():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _lm_eval_index_once():
+    """lm-eval's index of its own task YAMLs (~14,000 of them, 6 s of CPU), which every TaskManager builds (every
+    `driver run`, in-process here), is built once per process; the include paths are indexed each time, as lm-eval
+    does. Its entries are never changed after the build (a task is made from its YAML file, read again, or from a
+    deep copy of the entry's config), so one index serves every TaskManager."""
+    from lm_eval.tasks import _index
+
+    real, builtin, memo = _index.TaskIndex.build, Path(_index.__file__).parent, {}
+
+    def build(paths, *, resolve_includes=True):
+        paths = list(paths)
+        if not paths or Path(paths[0]) != builtin:
+            return real(paths, resolve_includes=resolve_includes)
+        if resolve_includes not in memo:
+            memo[resolve_includes] = real(paths[:1], resolve_includes=resolve_includes)
+        return {**memo[resolve_includes], **real(paths[1:], resolve_includes=resolve_includes)}  # later paths win
+
+    _index.TaskIndex.build = staticmethod(build)
+    yield
+    _index.TaskIndex.build = staticmethod(real)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _remove_datasets_cache():
     yield
     shutil.rmtree(_cache, ignore_errors=True)
