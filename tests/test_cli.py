@@ -353,8 +353,9 @@ def test_sigterm_stops_a_run_like_ctrl_c(llama_path, tasks_dir, tmp_path, comman
     assert proc.returncode == 130, err[-3000:]
     assert lines[-1].startswith(f"interrupted: finished requests are cached in {tmp_path / 'out' / 'cache'}"), err[-3000:]
     assert "SIGTERM received" not in err and "Aborted" not in err and "Traceback" not in err, err[-3000:]
-    time.sleep(3)
-    left = [p.pid for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or ())]
+    from testbed.waiting import until_empty
+
+    left = until_empty(lambda: [p.pid for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or ())])
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert not left, f"Ray processes left running: {left}"
 

@@ -14,6 +14,8 @@ import time
 import psutil
 import pytest
 
+from testbed.waiting import until_empty
+
 from test_cli import _close, _story_args, _story_samples, driver_env
 
 pytestmark = pytest.mark.slow
@@ -106,5 +108,5 @@ def test_a_rank_killed_mid_run_on_the_local_cluster_loses_one_group_and_the_numb
     assert {t: sorted(s) for t, s in grouped.items()} == {t: sorted(s) for t, s in story_plain.items()}
     different = [(t, d) for t in story_plain for d in story_plain[t] if not _close(story_plain[t][d], grouped[t][d], 1e-5)]
     assert not different, [(t, d, story_plain[t][d], grouped[t][d]) for t, d in different[:3]]
-    time.sleep(1.0)
-    assert not _left(seen), _left(seen)  # the local Ray, its ranks and any re-formed ones: all ended with the run
+    left = until_empty(lambda: _left(seen))
+    assert not left, left  # the local Ray, its ranks and any re-formed ones: all ended with the run

@@ -24,6 +24,7 @@ from ray import cloudpickle  # noqa: E402
 from cluster import ClusterError  # noqa: E402
 from cluster.groups import GroupRank  # noqa: E402
 from driver.lm.mlx_ray import MLXRayLM  # noqa: E402
+from testbed.waiting import until_empty  # noqa: E402
 
 from test_cluster import MC, MODEL_ARGS, TASKS, assert_same, evaluate, reference, run_ray, tasks  # noqa: E402,F401  the same runs
 
@@ -184,8 +185,7 @@ def test_a_killed_rank_s_group_is_re_formed_and_takes_chunks_again(ray_cluster, 
     assert [r["formation"] for r in g1["ranks"]] == [1, 1] and info["groups"][0]["reformed"] == 0
     assert sum(info["requests_computed"].values()) == 48
     assert not alive_ranks() and free_units() == 4  # the re-formed group's ranks and units released too
-    time.sleep(1.0)
-    assert not _running(pid)
+    assert not until_empty(lambda: _running(pid))
 
 
 def test_a_hung_rank_with_no_restart_left_loses_only_its_group(ray_cluster, llama_path, tasks, reference):
@@ -203,8 +203,7 @@ def test_a_hung_rank_with_no_restart_left_loses_only_its_group(ray_cluster, llam
     assert reason.endswith("; not re-formed: no restart left (max_restarts=0)") and info["groups"][1]["lost"] == [reason]
     assert sum(info["requests_computed"].values()) == 48
     assert not alive_ranks() and free_units() == 4  # no stray rank, every unit free
-    time.sleep(1.0)
-    assert not _running(pid)
+    assert not until_empty(lambda: _running(pid))
 
 
 def test_a_group_whose_node_is_gone_waits_for_a_node_and_re_forms_when_one_comes_back(ray_cluster, llama_path, tasks, reference, tmp_path):
