@@ -1,6 +1,7 @@
 """Pipelined worker groups (issue 26): one pipeline group of 2, lockstep vs pipelined, against one unsplit worker.
 
     python bench/bench_pipeline.py [--hidden 512] [--layers 8] [--docs 256] [--tokens 48] [--batch 8] [--repeat 2]
+                                   [--gen-rows 64] [--new-tokens 32] [--gen-batch 16] [--shot-tokens 256]
 
 The model is a random-weight llama written locally. Every rank (and the unsplit anchor) is one process pinned to
 a core of its own (os.sched_setaffinity: rank r on core r) with one BLAS/OpenMP thread and Debian's OpenBLAS
@@ -10,7 +11,13 @@ only (worker.score), after loading and a warm-up job, from a barrier to the last
 both kernels on one ring, alternating; the anchor and the group alternate too, and each keeps its best of
 --repeat. "overlap": each send on a stream of its own while the next micro-batch computes
 (worker.split.stages.OVERLAP). Every run must agree with the anchor within 1e-5. Busy: the share of the job each rank spent computing
-(worker.split.stages.CLOCK), the rest waiting in transfers.
+(worker.split.stages.CLOCK), the rest waiting in transfers. Generation: --gen-rows distinct prompts, and as many
+few-shot prompts (one --shot-tokens prefix shared by all, each its own --tokens question: its KV computed once
+per job, the store holding no earlier copy), greedy, --new-tokens each, texts compared with the anchor's. Capture
+and grid rows (issue 26.3): each document's context captured at its last token at --points (one on each rank),
+unsplit vs pipelined; a loglikelihood grid of --grid-docs documents x (unsteered + one configuration per layer),
+the unsplit grid (blocks below each split run once) and each configuration alone on one worker vs the pipelined
+group (worker.grid.pipelined).
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ def launch(task: dict, size: int, folder: Path, split: str = "pipeline", paralle
         paths = [folder / f"{name}w{w}.pkl" for w in range(parallel)]
         for w, path in enumerate(paths):
             path.write_bytes(pickle.dumps({**task, "size": 1, "split": split, "reqs": _share(task["reqs"], w, parallel),
-                                           "gen": task["gen"][w::parallel]}))  # fmt: skip
+                                           "gen": task["gen"][w::parallel], "fewshot": [], "more": False}))  # fmt: skip
     else:
         task = {**task, "size": size, "split": split, "hostfile": [free_address("127.0.0.1") for _ in range(size)]}
         paths = [folder / f"{name}.pkl"] * size
@@ -121,19 +128,53 @@ def _overlapped(lm, reqs, batching):
 def _unsplit_generate(lm, reqs, batching):
     from worker.generate import generate
 
-    return generate(lm, reqs, batch_size=batching.batch_size, prefix_reuse=False)
+    return generate(lm, reqs, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
 
 
 def _kernels(size: int, split: str) -> tuple[dict, dict]:
-    """The scoring and the generation kernels a process of this kind runs."""
+    """The scoring kernels a process of this kind runs, and its generation kernels with the prompts each takes."""
     from worker.score import loglikelihood, pipelined_loglikelihood
     from worker.split.decode import generate as pipelined_generate
 
     if size == 1:
-        return {"unsplit": loglikelihood}, {"gen_unsplit": _unsplit_generate}
+        return {"unsplit": loglikelihood}, {"gen_unsplit": (_unsplit_generate, "gen"), "fewshot_unsplit": (_unsplit_generate, "fewshot")}
     if split == "tensor":
         return {"tensor": loglikelihood}, {}
-    return {"lockstep": loglikelihood, "pipelined": pipelined_loglikelihood, "overlapped": _overlapped}, {"gen_pipelined": pipelined_generate}
+    return ({"lockstep": loglikelihood, "pipelined": pipelined_loglikelihood, "overlapped": _overlapped},
+            {"gen_pipelined": (pipelined_generate, "gen"), "fewshot_pipelined": (pipelined_generate, "fewshot")})  # fmt: skip
+
+
+def _steerings(layers: int, hidden: int) -> list:
+    """The grid: unsteered, and one configuration steering each layer (a random direction, alpha 2)."""
+    import numpy as np
+
+    from worker.spec import Intervention, Steering
+
+    rng = np.random.default_rng(3)
+    return [Steering()] + [Steering(interventions=(Intervention(layer=layer, vector=tuple(rng.standard_normal(hidden).tolist()),
+                                                                alpha=2.0),)) for layer in range(layers)]  # fmt: skip
+
+
+def _each_alone(lm, steerings, reqs, batching) -> list:
+    """The grid one configuration at a time ([request][configuration], as run_grid gives it): no sharing."""
+    from worker.jobs import run
+    from worker.spec import Job
+
+    cols = [run(lm, Job(kind="loglikelihood", steering=s), reqs, batching) for s in steerings]
+    return [list(row) for row in zip(*cols)]
+
+
+def _more_kernels(size: int, split: str, task: dict) -> dict:
+    """Capture and grid kernels, {name: (kernel(lm, requests, batching), the task's requests key)} (issue 26.3)."""
+    from worker.capture import capture, pipelined_capture
+    from worker.grid import run_grid
+
+    points, steerings = task["points"], task["steerings"]
+    cap = lambda kernel: (lambda lm, reqs, b: kernel(lm, reqs, points, b), "cap")  # noqa: E731
+    grid = (lambda lm, reqs, b: run_grid(lm, "loglikelihood", steerings, reqs, b), "grid")
+    if size == 1:
+        return {"cap_unsplit": cap(capture), "grid_unsplit": grid, "grid_alone": (lambda lm, reqs, b: _each_alone(lm, steerings, reqs, b), "grid")}
+    return {"cap_pipelined": cap(pipelined_capture), "grid_pipelined": grid} if split == "pipeline" else {}
 
 
 def rank_main(task_path: str, rank: int) -> None:
@@ -149,16 +190,20 @@ def rank_main(task_path: str, rank: int) -> None:
     group = join(task["hostfile"], rank) if size > 1 else None
     lm = load(ModelSpec(model=task["model"], max_length=512), group=group, grouping=Grouping(size=size, split=task["split"]))
     kernels, gens = _kernels(size, task["split"])
-    batching, gen_batching = Batching(batch_size=task["batch"]), Batching(batch_size=task["gen_batch"], prefix_reuse=False)
+    batching = Batching(batch_size=task["batch"])
+    gen_batching = {"gen": Batching(batch_size=task["gen_batch"], prefix_reuse=False), "fewshot": Batching(batch_size=task["gen_batch"])}
     for kernel in kernels.values():  # warm-up: first-call costs out of the timing
         kernel(lm, task["reqs"][:32], batching)
-    for kernel in gens.values():
-        kernel(lm, task["gen"][:4], gen_batching)
+    for kernel, prompts in gens.values():  # few-shot: another prefix (the timed job's is in no store)
+        kernel(lm, task[prompts + "_warm"], gen_batching[prompts])
     report = {"blas": blas(), "cpus": sorted(os.sched_getaffinity(0))}
     for name, kernel in kernels.items():
         report[name] = _timed(lm, kernel, task["reqs"], batching, group)
-    for name, kernel in gens.items():
-        report[name] = _timed(lm, kernel, task["gen"], gen_batching, group)
+    for name, (kernel, prompts) in gens.items():
+        report[name] = _timed(lm, kernel, task[prompts], gen_batching[prompts], group)
+    for name, (kernel, key) in (_more_kernels(size, task["split"], task) if task.get("more", True) else {}).items():
+        kernel(lm, task[key][:8], batching)  # warm-up
+        report[name] = _timed(lm, kernel, task[key], batching, group)
     Path(task_path).with_suffix(f".rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 
@@ -183,7 +228,29 @@ ROWS = {  # table row: (launch kind, kernel name)
     "1 group of 2, pipelined + overlap": ("group", "overlapped"),
     "generate: 1 unsplit worker (anchor)": ("anchor", "gen_unsplit"),
     "generate: 1 group of 2, pipelined": ("group", "gen_pipelined"),
+    "generate few-shot: 1 unsplit worker (anchor)": ("anchor", "fewshot_unsplit"),
+    "generate few-shot: 1 group of 2, pipelined": ("group", "fewshot_pipelined"),
+    "capture: 1 unsplit worker (anchor)": ("anchor", "cap_unsplit"),
+    "capture: 1 group of 2, pipelined": ("group", "cap_pipelined"),
+    "grid: 1 unsplit worker, shared blocks (anchor)": ("anchor", "grid_unsplit"),
+    "grid: 1 unsplit worker, each alone": ("anchor", "grid_alone"),
+    "grid: 1 group of 2, pipelined": ("group", "grid_pipelined"),
 }
+ANCHORS = {"generate": "generate: 1 unsplit worker (anchor)", "generate few-shot": "generate few-shot: 1 unsplit worker (anchor)",
+           "capture": "capture: 1 unsplit worker (anchor)",
+           "grid": "grid: 1 unsplit worker, shared blocks (anchor)"}  # fmt: skip
+
+
+def _anchor(name: str) -> str:
+    return ANCHORS.get(name.partition(":")[0], "1 unsplit worker (anchor)")
+
+
+def _worst(best: dict, anchor: str, values) -> float:
+    """Max |difference| between the numbers (`values(row)`: an array) of each row measured against `anchor` and its."""
+    import numpy as np
+
+    rows = [row for name, row in best.items() if _anchor(name) == anchor]
+    return max(float(np.abs(values(row) - values(best[anchor])).max()) for row in rows)
 
 
 def _launch_all(task: dict, folder: Path) -> dict:
@@ -191,9 +258,12 @@ def _launch_all(task: dict, folder: Path) -> dict:
             "tensor": launch(task, 2, folder, split="tensor")}  # fmt: skip
 
 
-def measure(args, model: Path, reqs: list, gen: list, folder: Path) -> tuple[dict, dict]:
-    """Interleaved runs: {config: [seconds...]}, and the best run's row per config."""
-    task = {"model": str(model), "reqs": reqs, "batch": args.batch, "gen": gen, "gen_batch": args.gen_batch}
+def measure(args, model: Path, reqs: list, gen: dict, folder: Path) -> tuple[dict, dict]:
+    """Interleaved runs: {config: [seconds...]}, and the best run's row per config. `gen`: the generation prompts
+    by kind (gen, fewshot, and each one's _warm)."""
+    task = {"model": str(model), "reqs": reqs, "batch": args.batch, **gen, "gen_batch": args.gen_batch,
+            "cap": [(ctx, -1) for ctx, _ in reqs[::4]], "points": args.points, "grid": reqs[: 4 * args.grid_docs],
+            "steerings": _steerings(args.layers, args.hidden)}  # fmt: skip
     runs: dict = {name: [] for name in ROWS}
     best: dict = {}
     for _ in range(args.repeat):
@@ -207,35 +277,44 @@ def measure(args, model: Path, reqs: list, gen: list, folder: Path) -> tuple[dic
 
 
 def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> None:
-    anchor, gen_anchor = best["1 unsplit worker (anchor)"], best["generate: 1 unsplit worker (anchor)"]
-    scoring = [row for name, row in best.items() if not name.startswith("generate")]
-    worst = max(abs(a[0] - b[0]) for row in scoring for a, b in zip(row["results"], anchor["results"]))
-    same = sum(a == b for a, b in zip(best["generate: 1 group of 2, pipelined"]["results"], gen_anchor["results"]))
+    import numpy as np
+
+    anchor = best["1 unsplit worker (anchor)"]
+    worst = _worst(best, "1 unsplit worker (anchor)", lambda row: np.array([lp for lp, _ in row["results"]]))
+    worst_cap = _worst(best, ANCHORS["capture"], lambda row: np.array(row["results"]))
+    worst_grid = _worst(best, ANCHORS["grid"], lambda row: np.array([[lp for lp, _ in r] for r in row["results"]]))
+    same = [sum(a == b for a, b in zip(best[f"{kind}: 1 group of 2, pipelined"]["results"], best[ANCHORS[kind]]["results"]))
+            for kind in ("generate", "generate few-shot")]  # fmt: skip
     load = os.getloadavg()
     print(f"\nrandom llama hidden={args.hidden} layers={args.layers} ({weights_mb:.0f} MB); {args.docs} documents x 4 choices "
           f"of {args.tokens} tokens; batch {args.batch} ({-(-args.docs // args.batch)} micro-batches); generate {args.gen_rows} rows x "
-          f"{args.new_tokens} tokens, batch {args.gen_batch}; one core and one BLAS thread per process ({anchor['blas']}); "
+          f"{args.new_tokens} tokens, batch {args.gen_batch} (few-shot: a {args.shot_tokens}-token prefix shared); one core and one BLAS thread per process ({anchor['blas']}); "
           f"load average {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
-    print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5); generated texts identical {same}/{len(gen_anchor['results'])}")
-    print(f"| {'run':<38} | best s | all runs (s) | vs anchor | busy per rank |")
-    print(f"|{'-' * 40}|-------:|-------------:|----------:|---------------|")
+    print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5); generated texts identical {same[0]}/{args.gen_rows}, "
+          f"few-shot {same[1]}/{args.gen_rows}; captured rows max |d| {worst_cap:.1e}; grid max |dLL| {worst_grid:.1e}")
+    print(f"capture: {len(best['capture: 1 unsplit worker (anchor)']['results'])} rows at {', '.join(args.points)}; grid: "
+          f"{args.grid_docs} documents x {args.layers + 1} configurations (unsteered, one per layer)")
+    print(f"| {'run':<46} | best s | all runs (s) | vs anchor | busy per rank |")
+    print(f"|{'-' * 48}|-------:|-------------:|----------:|---------------|")
     for name, row in best.items():
-        base = gen_anchor if name.startswith("generate") else anchor
+        base = best[_anchor(name)]
         busy = " ".join(f"{b:.2f}" for b in row["busy"]) if "pipelined" in name else "-"
         all_runs = " ".join(f"{s:.2f}" for s in runs[name])
-        print(f"| {name:<38} | {row['seconds']:6.2f} | {all_runs:>12} | {base['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
+        print(f"| {name:<46} | {row['seconds']:6.2f} | {all_runs:>12} | {base['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
     dp = best["2 unsplit workers, data parallel"]["seconds"]
     print(f"pipelined group of 2 vs 2 data-parallel workers: {dp / best['1 group of 2, pipelined']['seconds']:.2f}x (target >= 0.85)")
 
 
-def generations(n: int, tokens: int, vocab: int, new: int, seed: int = 1) -> list:
-    """n distinct prompts (no shared prefix: the pipelined decode path), greedy, `new` tokens each."""
+def generations(n: int, tokens: int, vocab: int, new: int, seed: int = 1, shots: int = 0) -> list:
+    """n prompts, greedy, `new` tokens each: distinct, or (`shots` > 0) one `shots`-token few-shot prefix shared by
+    all, each its own `tokens` after it."""
     import numpy as np
 
     from worker.generate import GenRequest
 
     rng = np.random.default_rng(seed)
-    return [GenRequest(context=(1, *rng.integers(3, vocab, tokens - 1).tolist()), max_gen_toks=new) for _ in range(n)]
+    prefix = (1, *rng.integers(3, vocab, shots - 1).tolist()) if shots else (1,)
+    return [GenRequest(context=(*prefix, *rng.integers(3, vocab, tokens - 1).tolist()), max_gen_toks=new) for _ in range(n)]
 
 
 def main() -> None:
@@ -249,11 +328,14 @@ def main() -> None:
     parser.add_argument("--gen-rows", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--gen-batch", type=int, default=16)
+    parser.add_argument("--shot-tokens", type=int, default=256)
+    parser.add_argument("--grid-docs", type=int, default=32)
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.task:
         return rank_main(args.task, args.rank)
+    args.points = (f"resid_post.{args.layers // 2 - 1}", f"resid_post.{args.layers - 1}")  # one on each rank
     from testbed.models import write_model
     from worker.load import weights_bytes
 
@@ -262,7 +344,10 @@ def main() -> None:
         model = write_model(folder / "model", hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4, intermediate=3 * args.hidden)
         start = time.monotonic()
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        gen = generations(args.gen_rows, args.tokens, vocab, args.new_tokens)
+        gen = {"gen": generations(args.gen_rows, args.tokens, vocab, args.new_tokens),
+               "fewshot": generations(args.gen_rows, args.tokens, vocab, args.new_tokens, shots=args.shot_tokens),
+               "gen_warm": generations(4, args.tokens, vocab, args.new_tokens, seed=2),
+               "fewshot_warm": generations(4, args.tokens, vocab, args.new_tokens, seed=3, shots=args.shot_tokens)}
         runs, best = measure(args, model, documents(args.docs, args.tokens, vocab), gen, folder)
         report(args, runs, best, weights_bytes(model) / 1e6, time.monotonic() - start)
     finally:

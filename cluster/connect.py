@@ -88,7 +88,8 @@ def source_of(address: str | None) -> tuple[str, str]:
 def _split(address: str) -> tuple[str, int] | None:
     host, sep, port = address.strip().rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c in host for c in "/ @?#"):
+    digits = port.isascii() and port.isdigit()  # int() reads '٦٣٧٩' as 6379; str.isdigit() passes '²'
+    if not sep or not host or not digits or not 0 < int(port) < 65536 or any(c in host for c in "/ @?#"):
         return None
     return host, int(port)
 
@@ -315,8 +316,9 @@ def describe(address: str | None) -> str:
     """What `connect(address)` will do, in words for a phase line: start an embedded Ray or join which cluster
     (and, with no address given, the `driver cluster up` cluster it does not use)."""
     ray = sys.modules.get("ray")
-    if address in (None, "auto") and ray is not None and ray.is_initialized():  # connect() reuses it
-        return f"using the Ray cluster this process is connected to, at {ray.get_runtime_context().gcs_address}"
+    current = ray.get_runtime_context().gcs_address if ray is not None and ray.is_initialized() else None
+    if current and address in (None, "auto", current):  # connect() reuses it
+        return f"using the Ray cluster this process is connected to, at {current}"
     target, source = source_of(address)
     ours = _local_cluster()
     if target == LOCAL:
@@ -380,14 +382,11 @@ def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bo
     if target == LOCAL:
         # Ray's note that it turned token auth on for the embedded session (loopback only) is not news here.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        _init(
-            ray,
-            address="local",
-            _node_ip_address="127.0.0.1",
-            include_dashboard=dashboard,
-            resources={"mlx": local_workers},
-            **quiet,
-        )
+        try:
+            _init(ray, address="local", _node_ip_address="127.0.0.1", include_dashboard=dashboard,
+                  resources={"mlx": local_workers}, **quiet)  # fmt: skip
+        except Exception as e:  # Ray's own start failed (not Ctrl-C): a raylet that never registered, a long socket path
+            raise ClusterError(failures.start_problem(e)) from None
         return Connection(LOCAL, embedded=True)
     from ray.exceptions import RayError
 

@@ -140,6 +140,23 @@ def lost_workers(actors: Sequence[Any]) -> str:
     return "; ".join(lines) + (f" ({MEMORY_FIX})" if memory else "")
 
 
+def start_problem(error: Exception) -> str:
+    """Why the embedded Ray did not start (Ray's own words), in one line with the fix for the case."""
+    import tempfile
+    from os import environ
+
+    said = " ".join((str(error).strip().splitlines() or [type(error).__name__])[0].split())
+    folder = environ.get("RAY_TMPDIR") or tempfile.gettempdir()  # where Ray keeps its sessions, as Ray picks it
+    if "AF_UNIX path length" in said:
+        fix = f"set RAY_TMPDIR to a short folder such as /tmp (Ray's socket paths under {folder} pass 107 bytes)"
+    elif "timed out during startup" in said:
+        fix = ("this machine was too busy for Ray's raylet to start within Ray's 30 s: rerun when it is quieter, or "
+               "start Ray once (`driver cluster up`) and pass its --address")  # fmt: skip
+    else:
+        fix = f"Ray's own logs are in {folder}/ray/session_latest/logs"
+    return f"Ray could not start on this machine ({said}): {fix}"
+
+
 _FORWARDING = {"on": True}
 
 

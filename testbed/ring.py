@@ -4,7 +4,9 @@
 the ring, loads its share of every model in `models` ({name: folder}; worker.load.load with the group) and runs
 every (name, Job, requests[, Batching]) of `work` through worker.jobs.run, in the same order, as a group's ranks
 do. Returns each rank's report: its layers and peak memory per model, results (a job that raised gives
-"error: <message>") and `clock`, its pipelined busy and waiting time (worker.split.stages.CLOCK).
+"error: <message>"), `clock`, its pipelined busy and waiting time (worker.split.stages.CLOCK), per job the
+collectives it called (`collectives`: all_sum, all_gather, ... counted) and its pipelined busy seconds (`busy`),
+and per model its prefix store's counters after the work (worker.prefix_cache).
 A grouping of size 1 loads the whole models unsplit.
 """
 
@@ -69,10 +71,31 @@ def _job(lm: Any, job: Any, requests: list, batching: Any = None) -> Any:
         return f"error: {e}"
 
 
+COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min")
+
+
+def _count_collectives(distributed: Any) -> list[int]:
+    """Wrap the ring's collectives so each call adds one to the returned counter ([calls])."""
+    calls = [0]
+
+    def counted(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        if hasattr(distributed, name):
+            setattr(distributed, name, counted(getattr(distributed, name)))
+    return calls
+
+
 def main(task_path: str, rank: int) -> None:
     import mlx.core as mx
 
     from worker.load import load
+    from worker.prefix_cache import store
     from worker.spec import ModelSpec
     from worker.split import join, peak_memory_gb
     from worker.split.stages import CLOCK
@@ -86,10 +109,18 @@ def main(task_path: str, rank: int) -> None:
         models[name] = load(ModelSpec(model=folder, dtype=task["dtype"]), group=group, grouping=grouping)
         layers[name], load_peak[name] = models[name].layers, peak_memory_gb()
     held = {name: weights_held(lm) for name, lm in models.items()}
-    results = [_job(models[name], job, requests, *rest) for name, job, requests, *rest in task["work"]]
+    calls = _count_collectives(mx.distributed)
+    results, collectives, busy = [], [], []
+    for name, job, requests, *rest in task["work"]:
+        before = calls[0], CLOCK.busy
+        results.append(_job(models[name], job, requests, *rest))
+        collectives.append(calls[0] - before[0])
+        busy.append(CLOCK.busy - before[1])
     cascade = {name: getattr(lm.model, "_orchard_cascade", None) for name, lm in models.items()}  # its verdict, if asked
+    stores = {name: store(lm).stats() for name, lm in models.items()}
     report = {"rank": rank, "layers": layers, "load_peak_gb": load_peak, "peak_gb": peak_memory_gb(),
-              "weights_bytes": held, "results": results, "cascade": cascade, "clock": CLOCK}  # fmt: skip
+              "weights_bytes": held, "results": results, "cascade": cascade, "clock": CLOCK, "prefix_store": stores,
+              "collectives": collectives, "busy": busy}  # fmt: skip
     (Path(task_path).parent / f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
 
 

@@ -240,6 +240,30 @@ def test_demo_runs_the_real_model_and_its_numbers_mean_something(tmp_path):
     assert "on 1 worker on 1 node" in proc.stdout
     assert "Lily loved her red → ball" in proc.stdout  # a generation, shown
     assert not [n for n in NOISE if n in proc.stdout + proc.stderr], proc.stderr[-3000:]
+    assert _shape(proc.stdout.splitlines()) == _shape(_readme_demo()), proc.stdout  # the README shows what it prints
+
+
+def _readme_demo() -> list[str]:
+    """The lines README.md shows `driver demo` printing on stdout."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("```\n|     Tasks     |") + 4
+    return text[start:text.index("```", start)].splitlines()
+
+
+def _shape(lines: list[str]) -> list[str]:
+    """What does not vary from run to run: the worker count, seconds, the rows per worker and the folders aside."""
+    import re
+
+    out: list[str] = []
+    for line in lines:
+        if re.fullmatch(r"  w\d+@\S+ +\d+ requests +[\d.]+ req/s", line):
+            out += [] if out[-1] == "<a row per worker>" else ["<a row per worker>"]
+            continue
+        line = re.sub(r" in [\d.]+ s$", " in <seconds> s", re.sub(r"on \d+ workers? on", "on <workers> on", line))
+        out.append(re.sub(r"^(results|tasks): .*", r"\1: <folder>", line))
+    return out
 
 
 @pytest.mark.slow
@@ -528,3 +552,10 @@ def test_a_model_too_large_for_a_node_names_the_group_size_that_would_fit(ray_cl
         lm.executor.close()
     k = math.ceil(weights_bytes(llama_path) / 2**10)
     assert k > 1 and f"pass --group-size {k} (or auto) to split it across that many nodes" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["--output", "--output-path"])
+def test_an_empty_output_folder_is_refused(llama_path, tasks_dir, flag):
+    """lm-eval reads an empty output path as none: the results JSON would silently not be written."""
+    line = run(2, "run", "--model", str(llama_path), "--include-path", str(tasks_dir), "--tasks", "orchard_mc", "--workers", "1", flag, "")
+    assert line == "Error: --output is empty: give a folder (e.g. orchard-out)"

@@ -37,9 +37,10 @@ def test_sweep_values_the_cli_would_refuse_are_refused(llama_path, tasks_dir, tm
     assert says in _refused(sweep, tmp_path / "out")
 
 
-def test_clamp_of_a_zero_vector_names_clamp(llama_path, tasks_dir, tmp_path):
+@pytest.mark.parametrize("ops", ["[clamp]", "[add, clamp]"])  # beside add, the zero vector is checked as add writes it
+def test_clamp_of_a_zero_vector_names_clamp(llama_path, tasks_dir, tmp_path, ops):
     sweep = write_study(tmp_path, llama_path, tasks_dir)
-    text = sweep.read_text().replace("normalize: true", "normalize: false").replace("layers: all", "layers: all\n  ops: [clamp]")
+    text = sweep.read_text().replace("normalize: true", "normalize: false").replace("layers: all", f"layers: all\n  ops: {ops}")
     sweep.write_text(text)
     save_file({f"resid_post.{i}": np.zeros(64, np.float32) for i in range(2)}, str(tmp_path / "v.safetensors"))
     line = _refused(sweep, tmp_path / "out")

@@ -2,8 +2,9 @@
 the last rank's loglikelihood and rolling numbers equal the unsplit model's per request (<= 1e-5) for several
 batch sizes (so several micro-batch counts), with and without prefix families, and steered at a layer on every
 rank; only the last rank holds numbers, and every rank spent time computing (worker.split.stages.CLOCK). A
-lockstep job (generate on prompts sharing a prefix: worker.split.decode.pipelines) between pipelined ones keeps
-its numbers: the two paths share one ring.
+lockstep job (a generation grid over prompts sharing a prefix: worker.jobs), a pipelined capture and a pipelined
+generate job (prompts sharing a prefix: worker.split.decode) between the scoring ones keep their numbers: the
+paths share one ring.
 
 Models: the shipped TinyStories-260K (a llama of 5 layers: 3|2 over 2 ranks, 2|2|1 over 3) and a generated qwen2
 of 4 layers (3|1 and 2|1|1: its head weighs ~1.8 layers, worker.split.plan.head_layers): uneven layer counts on both.
@@ -59,12 +60,17 @@ def _steer(layers: list[int]) -> Steering:
 
 
 def _work(name: str, size: int) -> list[tuple]:
-    """(label, job, requests, batching) on one model; a lockstep generate job sits between the pipelined ones."""
+    """(label, job, requests, batching) on one model; a lockstep generation grid, a pipelined capture and a
+    pipelined generate job sit between the pipelined scoring ones."""
     pairs = _requests()
     out = [(f"ll_{b}", Job(kind="loglikelihood"), pairs, batching) for b, batching in BATCHINGS.items()]
-    shots = tuple(range(3, 43))  # a 40-token shared prefix: generate stays lockstep (its prefix KV runs once)
+    shots = tuple(range(3, 43))  # a 40-token shared prefix: its KV runs once (on every rank, its layers)
     gen = [GenRequest(context=shots + (5, 9, 20), max_gen_toks=6), GenRequest(context=shots + (7, 8), max_gen_toks=4)]
+    points = tuple(f"resid_post.{layer}" for layer in _firsts(name, size))
     out.insert(2, ("generate", Job(kind="generate"), gen, Batching()))
+    out.insert(3, ("capture", Job(kind="capture", points=points), [(shots + (5, 9), -1), ((1, 7, 8), 1)], Batching()))
+    grid = (Steering(), _steer(_firsts(name, size)[-1:]))  # prompts sharing a prefix: a grid runs them lockstep
+    out.insert(4, ("grid_generate", Job(kind="generate", grid=grid), gen, Batching()))
     out.append(("steered", Job(kind="loglikelihood", steering=_steer(_firsts(name, size))), pairs, Batching(batch_size=4)))
     return out
 
@@ -123,9 +129,18 @@ def test_the_last_rank_scores_as_the_unsplit_model(ring, unsplit, name, label):
 
 
 @pytest.mark.parametrize("name", ["stories", "qwen2"])
-def test_a_lockstep_job_between_pipelined_ones_keeps_its_texts(ring, unsplit, name):
+def test_jobs_between_pipelined_ones_keep_their_results(ring, unsplit, name):
     size, reports = ring
-    assert all(r["results"][name]["generate"] == unsplit[name, size]["generate"] for r in reports)
+    want = unsplit[name, size]["generate"]
+    assert reports[-1]["results"][name]["generate"] == want  # pipelined: the last rank answers
+    assert all(r["results"][name]["generate"] == [None] * len(want) for r in reports[:-1])
+    got = reports[-1]["results"][name]["capture"]  # pipelined too: the rows ride forward to the last rank
+    assert not isinstance(got, str), got
+    for g, w in zip(got, unsplit[name, size]["capture"], strict=True):
+        assert np.abs(g - w).max() <= 1e-5 * max(1.0, float(np.abs(w).max()))
+    grid = unsplit[name, size]["grid_generate"]
+    assert grid[0][0] != grid[0][1]  # the steering changed the text
+    assert reports[-1]["results"][name]["grid_generate"] == grid  # lockstep: every stage after the other
 
 
 def test_every_rank_computed_and_only_the_last_read_numbers(ring):

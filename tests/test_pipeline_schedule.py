@@ -156,6 +156,30 @@ def test_the_decode_plan_cannot_deadlock_with_blocking_sends(size, rounds):
         assert not _runs_to_the_end([decode_steps(r, size, rounds) for r in range(size)], ids_wait=True)
 
 
+PREFILLS = [(2, [3, 1], [2, 1]), (3, [1, 4, 2], [3, 1, 2]), (4, [2, 2], [1, 4])]
+
+
+@pytest.mark.parametrize("size,rounds,prefills", PREFILLS)
+def test_a_prefill_of_several_parts_runs_a_forward_each_on_every_rank_and_samples_once(size, rounds, prefills):
+    """A micro-batch whose prefill joins parts (rows after different shared prefixes) runs one forward per part round
+    the ring, each sent on and received in order, and the last rank samples once per round."""
+    plans = [decode_steps(r, size, rounds, prefills) for r in range(size)]
+    assert _runs_to_the_end(plans)
+    for kind in ("hidden", "ids"):
+        sent, got = _link_messages(plans, kind)
+        assert sent == got
+    for r, plan in enumerate(plans):
+        for m, (n, parts) in enumerate(zip(rounds, prefills)):
+            forwards = [s.forward for s in plan if s.op == "forward" and s.micro == m]
+            assert forwards == list(range(parts)) + [0] * (n - 1)
+            assert sum(s.op == "sample" and s.micro == m for s in plan) == (n if r == size - 1 else 0)
+            if 0 < r:  # each part's hidden state comes from the rank before, tagged with its forward
+                assert [s.forward for s in plan if s.op == "recv" and s.micro == m][:parts] == list(range(parts))
+    assert round_steps(1, 2, 0, first=True, forwards=2) == [Step("recv", 0, 0, 0), Step("forward", 0, forward=0),
+                                                            Step("recv", 0, 0, 1), Step("forward", 0, forward=1),
+                                                            Step("sample", 0), Step("send_ids", 0, 0)]  # fmt: skip
+
+
 def test_simulate_is_the_scoring_pipe_for_one_round_and_fills_the_ring_with_k_micro_batches():
     for size, micros in [(2, 1), (3, 4), (4, 7)]:
         assert simulate([1.0] * size, 0.0, micros) == pytest.approx(efficiency(size, micros))

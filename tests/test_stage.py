@@ -225,7 +225,10 @@ def test_cli_stages_and_prints_one_line_per_node(cluster, fresh_model):
     address, roots = cluster
     result = CliRunner().invoke(main, ["stage", "--model", str(fresh_model), "--address", address])
     assert result.exit_code == 0, result.output
-    lines = result.output.strip().splitlines()
+    assert result.stderr.splitlines()[:2] == [  # what it does, on stderr (stdout: the report)
+        f"driver: using the Ray cluster this process is connected to, at {address}, to stage {fresh_model}",
+        f"driver: staging {fresh_model} on every `mlx` node (pieces of at most 64 MiB, each checked by sha256)"]
+    lines = result.stdout.strip().splitlines()
     assert len(lines) == 4 and all(" sent 6 files (" in line and "MB/s), kept 0" in line for line in lines[:3])
     assert lines[3].startswith("staged fresh (6 files, ") and " on 3 nodes in " in lines[3] and " as staged:" in lines[3]
     cid = lines[3].rsplit("staged:", 1)[1]

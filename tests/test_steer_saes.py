@@ -4,7 +4,15 @@ The SAE folders are written in each library's documented layout (sparsify: `hook
 sae-lens: `cfg.json + sae_weights.safetensors`; Goodfire: `decoder_linear.weight`); where sparsify / sae-lens are
 installed, the folders they save themselves are read too. lm-eval runs the same CSV where it can (clamp with
 sparsify: its reader loads the folder with sparsify); elsewhere it is given the same tensors as a .pt
-(its sae_lens reader only downloads, and its `add` refuses the b_dec its CSV reader always passes)."""
+(its sae_lens reader only downloads, and its `add` refuses the b_dec its CSV reader always passes).
+
+Why sae-lens is not a test extra beside sparsify (so `write_sae_lens`, sae-lens 6's `SAE.save_model` layout written
+by hand, stands in for it): measured in a scratch venv over the installed extras (torch 2.13, transformers 5.25,
+numpy 2.4), `pip install sae-lens==6.54.12` resolves without a conflict but installs 34 packages (transformer-lens 3.9,
+wandb, statsmodels, plotly, typeguard, a py2store built from its sdist, ...) and took 3 min 36 s on the 2-core box at
+load ~15, and `import sae_lens` 32 s: over the ~2 min this suite allows an oracle. Where sae-lens is installed, the
+tests below that import it run (folders saved by `SAE.save_model` read back as their tensors; its own `encode` in
+tests/test_sweep_features.py); with 6.54.12 in that scratch venv both pass."""
 
 from __future__ import annotations
 

@@ -69,6 +69,7 @@ def test_workers_help_says_what_all_means(command):
     assert "or all: one per `mlx` node of the cluster" in text and "on the embedded Ray (no --address) all is 1" in text
 
 
-@pytest.mark.parametrize("command, other", [("run", "--output"), ("sweep", "--output-path")])
-def test_both_output_spellings_on_both_commands(command, other):
-    assert other in invoke(command, "--help").stdout
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_the_output_flag_has_one_name_on_both_commands(command):
+    """`--output` on both (`--output-path`/`--output_path` hidden aliases: tests/test_ux_commands.py)."""
+    assert "  --output " in invoke(command, "--help").stdout

@@ -36,7 +36,8 @@ def test_a_run_tells_its_phases_on_stderr_and_keeps_stdout_for_results(mc_run, r
     assert result.exit_code == 0, result.output
     phases = [line for line in result.stderr.splitlines() if line.startswith("driver: ")]
     assert phases[0] == f"driver: opening {llama_path} on this machine (MLX, its tokenizer and its files' fingerprints)"
-    assert phases[1] == f"driver: joining the Ray cluster at {ray_cluster.address}: 2 workers", result.stderr
+    # this process is joined to the session's cluster already (a new process says "joining the Ray cluster at ...")
+    assert phases[1] == f"driver: using the Ray cluster this process is connected to, at {ray_cluster.address}: 2 workers", result.stderr
     assert phases[2] == f"driver: loading {llama_path} on 2 workers (lm-eval builds its requests meanwhile)"
     assert "driver:" not in result.stdout
     assert "orchard_mc" in result.stdout  # lm-eval's table: a result
@@ -90,5 +91,5 @@ def test_a_refusal_after_ray_started_follows_its_phases_and_is_the_one_error(ray
     )  # fmt: skip
     assert result.exit_code == 1
     lines = result.stderr.splitlines()
-    assert lines[1].startswith("driver: joining the Ray cluster at") and lines[-1].startswith("Error: --workers 5 needs 5")
+    assert lines[1].startswith("driver: using the Ray cluster this process is connected to, at") and lines[-1].startswith("Error: --workers 5 needs 5")
     assert sum(line.startswith("Error:") for line in lines) == 1 and "driver:" not in result.stdout

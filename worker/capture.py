@@ -15,7 +15,7 @@ import numpy as np
 
 from .hooks import HookContext, Rows
 from .spec import Batching, head_shape
-from .split.pipeline import shared_rows
+from .split import stages
 
 
 def _width(lm, point: str, h: mx.array) -> int:
@@ -69,8 +69,8 @@ def _batches(rows: list[tuple[int, ...]], batching: Batching) -> list[list[int]]
     return out
 
 
-def _forward(lm, rows: list[tuple[int, ...]], wanted: list[list[tuple[int, int]]], batch: list[int], gathers: list):
-    """One right-padded forward; returns (request indices, lazy [R, points, hidden] float32 array)."""
+def _layout(rows: list[tuple[int, ...]], wanted: list[list[tuple[int, int]]], batch: list[int]) -> tuple[list, list, list]:
+    """One forward's (request indices, each one's row in the flattened [B*S] stream, right-padded tokens)."""
     width = max(len(rows[r]) for r in batch)
     padded = [list(rows[r]) + [0] * (width - len(rows[r])) for r in batch]
     index, flat = [], []
@@ -78,15 +78,34 @@ def _forward(lm, rows: list[tuple[int, ...]], wanted: list[list[tuple[int, int]]
         for i, at in wanted[r]:
             index.append(i)
             flat.append(b * width + at)
+    return index, flat, padded
+
+
+def _body(lm, padded: list, ends: list[int], flat: list[int], gathers: list) -> mx.array:
+    """The lazy forward with every gather set to read `flat` (a gather of a layer this rank lacks stays None)."""
     for g in gathers:
         g.at, g.out = mx.array(flat), None
-    with lm.hooks.forward(Rows(offset=0, ends=mx.array([len(rows[r]) for r in batch]))):
+    with lm.hooks.forward(Rows(offset=0, ends=mx.array(ends))):
         # Only the gathered rows are evaluated: MLX never computes blocks past the deepest point, nor the head.
-        h = lm.head.body(mx.array(padded))
-    if lm.grouping is not None and lm.grouping.split == "pipeline":  # each point is read on the rank owning it
-        outs = [g.out if g.out is not None else mx.zeros((len(flat), _width(lm, g.point, h)), mx.float32) for g in gathers]
-        return index, shared_rows(lm.group, outs, h, len(flat))
+        return lm.head.body(mx.array(padded))
+
+
+def _forward(lm, rows: list[tuple[int, ...]], wanted: list[list[tuple[int, int]]], batch: list[int], gathers: list):
+    """One right-padded forward; returns (request indices, lazy [R, points, hidden] float32 array)."""
+    index, flat, padded = _layout(rows, wanted, batch)
+    _body(lm, padded, [len(rows[r]) for r in batch], flat, gathers)
     return index, mx.stack([g.out for g in gathers], axis=1)
+
+
+def _inputs(lm, requests: Sequence[tuple[Sequence[int], int]], points: Sequence[str]) -> tuple[list, list]:
+    """The distinct inputs and, per input, its (request index, captured position) pairs."""
+    if not points:
+        raise ValueError("capture needs at least one hook point, e.g. resid_post.0")
+    rows: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i, (tokens, position) in enumerate(requests):
+        inp, at = _resolve(i, tokens, int(position), lm.max_length)
+        rows.setdefault(inp, []).append((i, at))
+    return list(rows), list(rows.values())
 
 
 def capture(
@@ -103,13 +122,7 @@ def capture(
     """
     batching = batching or Batching()
     points = list(points)
-    if not points:
-        raise ValueError("capture needs at least one hook point, e.g. resid_post.0")
-    rows: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    for i, (tokens, position) in enumerate(requests):
-        inp, at = _resolve(i, tokens, int(position), lm.max_length)
-        rows.setdefault(inp, []).append((i, at))
-    keys, wanted = list(rows), list(rows.values())
+    keys, wanted = _inputs(lm, requests, points)
     results: list[np.ndarray | None] = [None] * len(requests)
 
     def collect(index: list[int], out: mx.array) -> None:
@@ -128,3 +141,49 @@ def capture(
     if pending is not None:
         collect(*pending)
     return results
+
+
+# --- the same kernel on a pipeline group: micro-batches through worker.split.stages (issue 26) ------------
+
+
+def _riding(lm, rows: list[tuple[int, ...]], wanted: list, batch: list[int], gathers: list) -> tuple[list[int], stages.Micro]:
+    """One batch as a micro-batch whose captured rows ride forward: each rank fills in the points its layers own."""
+    index, flat, padded = _layout(rows, wanted, batch)
+    own: list = []  # per point, this rank's rows (None: another rank's layer), once the forward is built
+    width: list[int] = []
+
+    def forward() -> mx.array:
+        h = _body(lm, padded, [len(rows[r]) for r in batch], flat, gathers)
+        own[:], width[:] = [g.out for g in gathers], [_width(lm, gathers[0].point, h)]
+        return h
+
+    def add(got: mx.array) -> mx.array:
+        return mx.stack([o if o is not None else got[:, p] for p, o in enumerate(own)], axis=1)
+
+    empty = lambda: mx.zeros((len(flat), len(gathers), width[0]), mx.float32)  # noqa: E731
+    return index, stages.Micro(forward, keep=lambda: [o for o in own if o is not None], rows=stages.Riding(empty, add))
+
+
+def pipelined_capture(lm, requests: Sequence[tuple[Sequence[int], int]], points: Sequence[str],
+                      batching: Batching | None = None) -> list[np.ndarray | None]:  # fmt: skip
+    """`capture` on one rank of a pipeline group: its batches pipelined across the ranks, the captured rows
+    riding forward with them to the last rank (worker.split.schedule), which returns them (equal to the unsplit
+    capture); the others return None per request. No collective per batch: each rank receives the rows gathered
+    so far from the rank before, fills in its own points and sends them on, and the hidden state goes only as far
+    as the rank owning the deepest point (`reach`)."""
+    batching = batching or Batching()
+    points = list(points)
+    keys, wanted = _inputs(lm, requests, points)
+    results: list[np.ndarray | None] = [None] * len(requests)
+    gathers = [_Gather(point) for point in points]
+    micros = [_riding(lm, keys, wanted, batch, gathers) for batch in _batches(keys, batching)]
+    indices = iter([index for index, _ in micros])
+
+    def collect(out: mx.array) -> None:
+        for i, a in zip(next(indices), np.array(out)):
+            results[i] = a
+
+    with lm.hooks.installed(list(zip(points, gathers))):  # the points' names checked here, before any forward
+        reach = stages.owner(lm, max(int(p.rpartition(".")[2]) for p in points))
+        last = stages.run(lm, [m for _, m in micros], collect, reach=reach)
+    return results if last else [None] * len(requests)

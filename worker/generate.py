@@ -96,17 +96,10 @@ def prompt_parts(
     max_gen_toks 0 are in none."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-    reqs = []
-    for i, r in enumerate(requests):
-        r = truncate(r, lm.max_length)
-        if r.max_gen_toks > 0 and not r.context:
-            raise ValueError(f"request {i} has an empty context: generation needs at least one prompt token")
-        reqs.append(r)
-    todo = [i for i, r in enumerate(reqs) if r.max_gen_toks > 0]  # max_gen_toks=0 produces nothing, runs nothing
+    reqs, families = prompt_families(lm, requests, prefix_reuse)
     loose: list[int] = []
     parts: list[tuple[Any, int, list[int]]] = []
-    for prefix, idx in _prefix_families([reqs[i].context for i in todo], prefix_reuse):
-        idx = [todo[j] for j in idx]
+    for prefix, idx in families:
         shared = prefix_kv(lm, reqs[idx[0]].context[:prefix], compute) if prefix else None
         if prompt_reuse:  # the family's prefix (now stored) is where each row's own prompt KV starts from
             parts += own_prefixes(lm, [reqs[i].context for i in idx], idx, loose, compute)
@@ -116,6 +109,19 @@ def prompt_parts(
             continue
         parts += _cut(reqs, idx, batch_size, shared, prefix)
     return reqs, parts + _cut(reqs, loose, batch_size)
+
+
+def prompt_families(lm: Any, requests: Sequence[GenRequest], prefix_reuse: bool) -> tuple[list[GenRequest], list[tuple[int, list[int]]]]:
+    """The requests truncated as lm-eval's HF backend does, and (shared prefix length or 0, request indices) per
+    family of those that generate (max_gen_toks 0 produces nothing, runs nothing)."""
+    reqs = []
+    for i, r in enumerate(requests):
+        r = truncate(r, lm.max_length)
+        if r.max_gen_toks > 0 and not r.context:
+            raise ValueError(f"request {i} has an empty context: generation needs at least one prompt token")
+        reqs.append(r)
+    todo = [i for i, r in enumerate(reqs) if r.max_gen_toks > 0]
+    return reqs, [(prefix, [todo[j] for j in idx]) for prefix, idx in _prefix_families([reqs[i].context for i in todo], prefix_reuse)]
 
 
 def decode(lm: Any, reqs: Sequence[GenRequest], parts: list, batch_size: int, configs: Sequence[int] | None = None) -> list[list[int]]:
@@ -290,8 +296,18 @@ def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], con
     done, start = [], 0
     for r, shared, prefix in parts:
         with lm.hooks.rows_under(configs[start : start + len(r)] if configs is not None else None):
-            done.append(_prefill(lm, r) if shared is None else _prefill_suffixes(lm, r, shared, prefix))
+            done.append(prefill_part(lm, r, shared, prefix))
         start += len(r)
+    return join_prefills(done, parts)
+
+
+def prefill_part(lm: Any, reqs: list[GenRequest], shared: Any, prefix: int) -> tuple[list[Any], list[int], int, mx.array]:
+    """One part's prefill (the `_prefill` return values): its whole prompts, or its suffixes after a shared prefix."""
+    return _prefill(lm, reqs) if shared is None else _prefill_suffixes(lm, reqs, shared, prefix)
+
+
+def join_prefills(done: list[tuple], parts: list[tuple[list[GenRequest], Any, int]]) -> tuple[list[Any], list[int], int, mx.array]:
+    """The parts' prefills (`prefill_part`'s, in order) as one left-padded batch: the `_prefill` return values."""
     if len(done) == 1:
         return done[0]
     cache = done[0][0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .capture import capture
+from .capture import capture, pipelined_capture
 from .generate import decode, generate, prompt_parts, texts
 from .grid import run_grid
 from .load import LoadedModel
@@ -45,20 +45,21 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
         batching = batching.model_copy(update={"prefix_reuse": False})
     with steered(lm, job.steering, notes, fired):
         # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
-        # loglikelihood pairs), steered or not, prefix families included; generate whose prompts share no prefix
-        # (worker.split.decode.pipelines), steered or not; the last rank answers. Still lockstep (every stage
-        # after the other, an all_gather per forward): generate with shared prompt prefixes or conditional
-        # steering, capture and grid jobs (above).
+        # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
+        # loglikelihood pairs) and generate, steered or not, prefix families included; capture (its rows ride
+        # forward); grid jobs (worker.grid, above); the last rank answers. Still lockstep (every stage after the
+        # other, an all_gather per forward): generate under conditional steering, and generation grids whose
+        # prompts share a prefix.
         if job.kind == "loglikelihood":
             out = (pipelined_loglikelihood if pipelined(lm) else loglikelihood)(lm, requests, batching)
         elif job.kind == "generate" and fired is not None:
             out = conditional_generate(lm, requests, batching.batch_size)
-        elif job.kind == "generate" and pipelined(lm) and pipelined_decode.pipelines(lm, requests, batching):
+        elif job.kind == "generate" and pipelined(lm):
             out = pipelined_decode.generate(lm, requests, batching)
         elif job.kind == "generate":
             out = generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
         else:
-            out = capture(lm, requests, job.points, batching)
+            out = (pipelined_capture if pipelined(lm) else capture)(lm, requests, job.points, batching)
     if fired is not None and job.kind != "capture":  # each result says whether its row was steered
         out = [[*r, fired.get(i, False)] if job.kind == "loglikelihood" else [r, fired.get(i, False)] for i, r in enumerate(out)]
     return Results(out, notes)

@@ -145,8 +145,9 @@ def fingerprint(hooks: Any) -> str | None:
     return "|".join(parts)
 
 
-def _extend(lm: Any, cache: list, have: int, tokens: Sequence[int]) -> list:
-    """A copy of `cache` (the KV of tokens[:have]) run on through the rest of `tokens`."""
+def resumed(lm: Any, cache: list, have: int, tokens: Sequence[int]) -> tuple[list, mx.array]:
+    """A copy of `cache` (the KV of tokens[:have]) and the lazy forward of the rest of `tokens` into it (its body
+    output): a pipeline rank evaluates it as a step of its plan (worker.split.decode)."""
     from mlx_lm.models.cache import KVCache
 
     fresh = []
@@ -156,9 +157,24 @@ def _extend(lm: Any, cache: list, have: int, tokens: Sequence[int]) -> list:
         fresh.append(k)
     # As in the prefix pass: every position real prompt, none a row's last.
     with lm.hooks.forward(Rows(offset=have, ends=mx.array([len(tokens) + 1]))):
-        lm.head.body(mx.array([list(tokens[have:])]), cache=fresh)
+        return fresh, lm.head.body(mx.array([list(tokens[have:])]), cache=fresh)
+
+
+def _extend(lm: Any, cache: list, have: int, tokens: Sequence[int]) -> list:
+    """A copy of `cache` (the KV of tokens[:have]) run on through the rest of `tokens`."""
+    fresh, _ = resumed(lm, cache, have, tokens)
     mx.eval([c.state for c in fresh])
     return fresh
+
+
+def stored(lm: Any, tokens: tuple[int, ...]) -> tuple[str | None, tuple[int, list] | None]:
+    """(the store's fingerprint of the installed hooks, None when the store is off for them; the (length, cache)
+    of the longest stored prefix of `tokens` to start from: all of them, or at least MIN_SHARED_PREFIX tokens).
+    Counts nothing; marks the entry found most recently used."""
+    s = store(lm)
+    fp = fingerprint(lm.hooks) if s.budget > 0 else None
+    found = s.longest(fp, tokens) if fp is not None else None
+    return fp, found if found is not None and found[0] >= min(len(tokens), MIN_SHARED_PREFIX) else None
 
 
 def prefix_kv(lm: Any, tokens: Sequence[int], compute: Callable | None = None) -> list | None:
@@ -166,18 +182,17 @@ def prefix_kv(lm: Any, tokens: Sequence[int], compute: Callable | None = None) -
 
     `compute(lm, tokens, found)` computes an entry the store lacks, `found` the (length, cache) of its longest
     stored prefix or None (worker.grid's configurations of one split: the lower layers from their shared
-    unsteered entry); by default the rest of the tokens run through the whole model under the installed hooks."""
+    unsteered entry); by default the rest of the tokens run through the whole model under the installed hooks.
+    With the store off for these hooks, `compute(lm, tokens, None)` computes it (if given)."""
     tokens = tuple(tokens)
     s = store(lm)
-    fp = fingerprint(lm.hooks) if s.budget > 0 else None
+    fp, found = stored(lm, tokens)
     if fp is None:
-        return _prefix_cache(lm, tokens)
-    found = s.longest(fp, tokens)
+        return compute(lm, tokens, None) if compute is not None else _prefix_cache(lm, tokens)
     if found is not None and found[0] == len(tokens):
         s.hits += 1
         s.reused += len(tokens)
         return found[1]
-    found = found if found is not None and found[0] >= MIN_SHARED_PREFIX else None
     if found is not None:
         s.extended += 1
         s.reused += found[0]

@@ -7,7 +7,7 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
-from driver.checks.errors import Refused
+from driver.checks.errors import BadUsage, Refused
 
 CACHE_FILE = "results.sqlite"
 
@@ -17,6 +17,8 @@ CACHE_FILE = "results.sqlite"
 
 def writable_folder(path: str | os.PathLike, flag: str) -> Path:
     """`path` is a folder or can become one, and this user can write there. Creates nothing."""
+    if not str(path).strip():  # lm-eval reads an empty output path as none: its results would not be written
+        raise BadUsage(f"{flag} is empty: give a folder (e.g. orchard-out)")
     p = probe = Path(path).expanduser()
     try:
         if p.exists():

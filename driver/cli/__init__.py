@@ -8,6 +8,7 @@ import click
 
 from driver.cli import cluster, demo, nodes, run, stage, steer, sweep, vectors
 from driver.cli.errors import OneLineErrors
+from driver.cli.options import hide_aliases
 from driver.lm.quiet import quiet_option
 
 
@@ -37,3 +38,4 @@ for command in main.commands.values():  # every command takes --quiet too (`driv
     for sub in getattr(command, "commands", {}).values():
         quiet_option(sub)
     quiet_option(command)
+    hide_aliases(command)  # --help shows one name per option: `--output`, not also `--output-path, --output_path`

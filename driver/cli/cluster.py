@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from driver.checks import settings
+from driver.lm.quiet import phase
 
 # What `ray start` needs on every Mac of a `ray up` cluster (checked by `check`; deploy/README.md says why).
 START_NEEDS = {
@@ -61,7 +62,9 @@ def up(nodes: int, cpus: int) -> None:
     from cluster import ClusterError, local
 
     try:
-        state = local.up(nodes, cpus)
+        nodes_text = f"{nodes} Ray node{'s' * (nodes != 1)}"
+        with phase(f"starting {nodes_text} on 127.0.0.1, one at a time (token authentication, one `mlx` unit each)"):
+            state = local.up(nodes, cpus)
     except ClusterError as e:
         raise _fail(e) from None
     _describe(state)
@@ -72,7 +75,9 @@ def down() -> None:
     """Stop the cluster `driver cluster up` started (only its processes; the token is kept for the next `up`)."""
     from cluster import local
 
-    state = local.down()
+    known = local.read_state()
+    with phase(f"stopping the local cluster at {known['address']} (its processes only)") if known else contextlib.nullcontext():
+        state = local.down()
     if state is None:
         click.echo("no local cluster is running (nothing to stop)")
         return
@@ -93,7 +98,8 @@ def status(env_only: bool) -> None:
         click.echo(exports(state))
         return
     try:
-        alive = len(local.alive_nodes(state))
+        with phase(f"asking the local cluster at {state['address']} which of its nodes are alive", after=1.0):
+            alive = len(local.alive_nodes(state))
     except ClusterError as e:
         raise _fail(e) from None
     except OSError as e:  # its token file is gone

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +58,8 @@ SPLIT_HELP = "How a group splits the model: pipeline (layer ranges per node), te
     "--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16,revision=main."
 )
 @click.option(
-    "--output-path",
-    "--output_path",
-    "--output",
-    "output_path",
-    default="orchard-out",
-    show_default=True,
-    help="Folder for results JSON, samples and the run summary (--output: the same, as `driver sweep` spells it).",
+    "--output", "--output-path", "--output_path", "output_path", default="orchard-out", show_default=True,
+    help="Folder for results JSON, samples and the run summary.",
 )
 @click.option("--log-samples", "--log_samples", "log_samples", is_flag=True, help="Also write every sample's inputs and outputs.")
 @click.option("--include-path", "--include_path", "include_path", default=None, help="Extra folder of task YAMLs.")
@@ -74,7 +70,7 @@ SPLIT_HELP = "How a group splits the model: pipeline (layer ranges per node), te
     "--cache",
     "cache",
     default=None,
-    help="Result cache folder: a rerun reuses every finished request. Default: OUTPUT_PATH/cache.",
+    help="Result cache folder: a rerun reuses every finished request. Default: OUTPUT/cache.",
 )
 @click.option("--threads", type=settings.WHOLE, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
 @click.option("--dashboard", is_flag=True, help="Start Ray's dashboard with the embedded Ray (off by default).")
@@ -106,7 +102,7 @@ def run(
 ) -> Any:
     """Evaluate MODEL on lm-eval TASKS with its requests spread over Ray workers.
 
-    Prints lm-eval's table and writes lm-eval's results JSON (and samples) plus summary_*.json under OUTPUT_PATH.
+    Prints lm-eval's table and writes lm-eval's results JSON (and samples) plus summary_*.json under OUTPUT.
     """
     start = time.monotonic()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -189,14 +185,15 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
     spec against the model's shape, the cluster address (syntax, reachable, token authentication), the worker
     group (`group`: size, split, workers; driver.checks.groups).
     `--num-fewshot` is checked once the tasks' documents load (driver.checks.fewshot), still before Ray."""
-    writable_folder(output_path, "--output-path")
+    writable_folder(output_path, "--output")
     check_cache(cache or Path(output_path) / "cache", "--cache" if cache else "the result cache")
     folder = check_model(model, extra.get("revision"), extra.get("adapter_path"))
     check_tokenizer(folder, apply_chat_template)
     names = check_tasks(tasks, include_path)
     check_datasets(names, include_path)  # on disk, or the Hub reachable: else one line now, not retries after Ray
     check_generation_room(model_config(folder), generation[0], extra, generation[1])  # max_length, gen_kwargs
-    steering = check_steering(steer, model_config(folder), extra.get("dtype")) if steer else None
+    with phase(f"checking {steer} against {model}'s layers", after=1.0, transient=True) if steer else nullcontext():
+        steering = check_steering(steer, model_config(folder), extra.get("dtype")) if steer else None  # mlx-lm: seconds
     check_address(address)
     grouping = for_command(*group, model=model, folder=folder, address=address)
     check_heads_split(steering, grouping)

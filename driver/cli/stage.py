@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from driver.checks.cluster import check_address, check_address_syntax
+from driver.lm.quiet import phase, say
 
 
 @click.command()
@@ -28,12 +29,16 @@ def stage(model: str, revision: str | None, address: str | None) -> None:
     except ModelLoadError as e:
         raise click.ClickException(str(e)) from None
     check_address(address)  # syntax (exit 2), reachable, token authentication
+    from cluster.connect import describe
+
+    say(f"{describe(address)}, to stage {model}")
     try:
         connection = connect(address)
     except ClusterError as e:
         raise click.ClickException(str(e)) from None
     try:
-        report = run_stage(model, revision=revision)
+        with phase(f"staging {model} on every `mlx` node (pieces of at most 64 MiB, each checked by sha256)"):
+            report = run_stage(model, revision=revision)
     except (StageError, ClusterError, ModelLoadError) as e:
         raise click.ClickException(str(e)) from None
     finally:

@@ -12,6 +12,7 @@ from worker.spec import Grouping
 from driver.checks import settings
 from driver.checks.cluster import check_address, check_workers
 from driver.checks.files import check_cache, writable_folder
+from driver.checks.errors import BadUsage, Refused
 from driver.checks.groups import chosen_lines, for_command
 from driver.checks.model import check_heads_split
 from driver.cli.errors import resumable, usage_errors
@@ -26,7 +27,7 @@ from driver.lm.quiet import phase, say
 @click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
 @click.option(
     "--output", "--output-path", "--output_path", "output", default=None, type=click.Path(file_okay=False),
-    help="Output folder (--output-path: the same, as `driver run` spells it). Default: orchard-out/<sweep file name>."
+    help="Output folder (as `driver run --output`). Default: orchard-out/<sweep file name>."
 )
 @click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: OUTPUT/cache.")
 @click.option("--threads", type=settings.WHOLE, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
@@ -55,12 +56,13 @@ def sweep_command(
     writable_folder(folder, "--output")
     try:
         outdir.refuse_if_busy(folder)  # one writer per folder: a second sweep is refused before any work
-        plan = load_sweep(sweep_file)
+        with phase(f"checking {sweep_file} against its model, vectors, tasks and prompts", after=1.0, transient=True):
+            plan = load_sweep(sweep_file)  # seconds: mlx-lm's classes give the model's sites
     except (SweepError, outdir.FolderBusy) as e:
         raise click.ClickException(str(e)) from None
     check_cache(cache or folder / "cache", "--cache" if cache else "the result cache")
     check_address(address)
-    grouping, notes = _grouping(plan, flags, workers, address)
+    grouping, notes = _grouping(plan, flags, workers, address, sweep_file)
     try:
         held = outdir.lock(folder)  # until this process exits
     except outdir.FolderBusy as e:
@@ -87,17 +89,25 @@ def sweep_command(
     click.echo(f"results: {folder} (summary.md, results.csv, {2 * len(written['plots'])} plots)")
 
 
-def _grouping(plan, flags: tuple, workers: str, address: str | None) -> tuple[Grouping, list[str]]:
+def _grouping(plan, flags: tuple, workers: str, address: str | None, sweep_file: str) -> tuple[Grouping, list[str]]:
     """The worker groups (a flag, else the sweep file's model.group_size / model.split), resolved and checked
-    against the model and this machine before any worker starts (driver.checks.groups); what auto chose."""
+    against the model and this machine before any worker starts (driver.checks.groups); what auto chose. A
+    grouping the file alone asks for is refused as the file's other values are: naming it, exit 1."""
     from driver.lm.model_setup import tokenizer_folder
 
     model = plan.spec.model
     size, split = (flag if flag is not None else given for flag, given in zip(flags, (model.group_size, model.split)))
     pretrained = plan.model_args["pretrained"]
     folder = tokenizer_folder(pretrained, plan.model_args.get("revision"))
-    found = for_command(size, split, workers, model=pretrained, folder=folder, address=address)
-    check_heads_split(next((c.steering for c in plan.grid if c.head is not None), None), found)
+    try:
+        found = for_command(size, split, workers, model=pretrained, folder=folder, address=address)
+        for picked in (lambda c: c.head is not None, lambda c: c.steering.conditional):  # head and CAST steering on groups
+            check_heads_split(next((c.steering for c in plan.grid if picked(c)), None), found)
+    except BadUsage as e:
+        if any(flag is not None for flag in flags):
+            raise  # a flag's value: the command line (exit 2)
+        said = e.format_message().replace("--split ", "split: ").replace("--group-size ", "group_size: ")  # the file's words
+        raise Refused(f"{sweep_file}: model: {said} (group_size {size}, split {split})") from None
     if found.size > 1:
         check_workers(workers, address, pretrained, found.size)
     return found, chosen_lines(size, split, found)

@@ -16,7 +16,7 @@ from driver.checks.model import check_model, check_site, check_tokenizer, model_
 from driver.cli.errors import one_line, usage_errors
 from driver.cli.run import GROUP_HELP, SPLIT_HELP, WORKERS_HELP
 from driver.lm.evaluation import lost_workers_line, on_workers, open_model
-from driver.lm.quiet import say
+from driver.lm.quiet import phase, say
 from worker.spec import HEAD_SITES, SITES, head_shape, missing_sites
 
 VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads",
@@ -87,10 +87,11 @@ def vectors(
     except ValueError as e:
         raise BadUsage(f"--layers {layers}: {one_line(str(e))}") from None
     chosen_heads, head_dim = _heads(heads, site, config)
-    check_site(config, site, resolved)
-    encode = vec.head_encoder(folder, bool(args.get("trust_remote_code")))
-    try:  # every pair tokenized on the head as the capture will be, before Ray starts
-        vec.check_pairs(pairs, read, encode, method, at, context_window(config, args.get("max_length")))
+    try:  # the model's sites, and every pair tokenized on the head as the capture will be, before Ray starts
+        with phase(f"checking {model}'s layers and tokenizing the pairs", after=1.0, transient=True):  # mlx-lm: seconds
+            check_site(config, site, resolved)
+            encode = vec.head_encoder(folder, bool(args.get("trust_remote_code")))
+            vec.check_pairs(pairs, read, encode, method, at, context_window(config, args.get("max_length")))
     except ValueError as e:
         raise Refused(one_line(str(e))) from None
     check_address(address)

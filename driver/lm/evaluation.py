@@ -116,13 +116,13 @@ def open_model(args: dict[str, Any]):
     """The `mlx-ray` lm-eval model, workers started; bad settings and cluster problems as one-line errors."""
     from cluster import ClusterError
 
-    from driver.lm.quiet import say
+    from driver.lm.quiet import phase
 
-    say(f"opening {args['pretrained']} on this machine (MLX, its tokenizer and its files' fingerprints)")  # seconds
-    from driver.lm.mlx_ray import MLXRayLM
+    try:  # seconds (MLX and mlx-lm imported, the files hashed): until the next phase line, Ray's
+        with phase(f"opening {args['pretrained']} on this machine (MLX, its tokenizer and its files' fingerprints)"):
+            from driver.lm.mlx_ray import MLXRayLM
 
-    try:
-        return MLXRayLM.create_from_arg_obj(args)
+            return MLXRayLM.create_from_arg_obj(args)
     except ValueError as e:  # ModelLoadError, SteeringError, bad model_args
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
     except ClusterError as e:

@@ -165,35 +165,121 @@ def _bars(shown: bool) -> None:
         std.tqdm._orchard_init, std.tqdm.__init__ = init, silent
 
 
+_OPEN: list = []  # how to end the phase line open on a terminal (its spinner turning), when one is
+_OPEN_LOCK = threading.Lock()
+
+
+def _end_open_line() -> None:
+    """A phase line lasts until the next one, or until anything else is written: end it (its time taken)."""
+    with _OPEN_LOCK:
+        ends, _OPEN[:] = list(_OPEN), []
+    for end in ends:
+        end()
+
+
+class _EndsOpenLine:
+    """sys.stderr on a terminal: whatever is written while a phase line is open (a warning as the workers load,
+    the next phase) first ends that line, so it starts a line of its own instead of trailing the spinner."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        if text:
+            _end_open_line()
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def _terminal():
+    """The terminal stderr writes to, or None off a terminal (sys.stderr then wrapped once, _EndsOpenLine)."""
+    err = sys.stderr
+    if isinstance(err, _EndsOpenLine):
+        return err.stream
+    if not err.isatty():
+        return None
+    sys.stderr = _EndsOpenLine(err)
+    return err
+
+
+def _open_bars() -> bool:
+    """Whether a progress bar is showing (a sweep's pass keeps its bar until the next pass starts)."""
+    std = sys.modules.get("tqdm.std")
+    return std is not None and bool(list(getattr(std.tqdm, "_instances", ())))
+
+
+def _fits(text: str) -> bool:
+    """Whether the phase line and its spinner fit on one row of the terminal: a wrapped line's carriage return
+    would go back to its last row only, and each turn of the spinner would leave a copy of the rest behind."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        try:
+            columns = os.get_terminal_size(sys.stderr.fileno()).columns  # stderr's: stdout may go to a file
+        except (OSError, ValueError, AttributeError):
+            columns = 80
+    return len(PREFIX + text) + len(" | 999 s") < columns
+
+
+def _write(line: str) -> None:
+    """A line of its own on stderr: a progress bar showing is cleared and drawn again below it on a terminal; off
+    one, the bar's last state keeps its line (tqdm leaves the cursor after it)."""
+    if _open_bars() and _terminal() is not None:
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stderr)
+        return
+    print("\n" * _open_bars() + line, file=sys.stderr, flush=True)
+
+
 def say(text: str) -> None:
-    """One phase line on stderr (never stdout: it holds results only)."""
+    """One phase line on stderr (never stdout: it holds results only); it ends the phase line before it."""
     if not quiet():
-        print(PREFIX + text, file=sys.stderr, flush=True)
+        _end_open_line()
+        _write(PREFIX + text)
 
 
 @contextmanager
-def phase(text: str, after: float = 0.0):
+def phase(text: str, after: float = 0.0, transient: bool = False):
     """`text` on stderr while the block runs: at once (or only once it has lasted `after` s); on a terminal a
-    spinner with the seconds so far turns at the end of the line after 2 s, and the line ends with the time taken."""
-    if quiet():
+    spinner with the seconds so far turns at the end of the line after 2 s, and the line ends with the time taken
+    when the block ends, or as soon as the next phase line or anything else is written to stderr. `transient`: a
+    check before Ray, shown on a terminal only and erased when it ends, so that a refusal stays the whole of stderr."""
+    tty = None if quiet() or _open_bars() or not _fits(text) else _terminal()  # a spinner beside a bar would write into it
+    if quiet() or (transient and tty is None):
         yield
         return
-    tty, done, start, shown = sys.stderr.isatty(), threading.Event(), time.monotonic(), threading.Event()
+    _end_open_line()
+    done, shown, start, lock = threading.Event(), threading.Event(), time.monotonic(), threading.Lock()
+
+    def end() -> None:
+        with lock:
+            if tty and shown.is_set() and not done.is_set():
+                ending = "" if transient else f"{PREFIX}{text} ({time.monotonic() - start:.1f} s)"
+                print(f"\r{ending}\x1b[K", file=tty, end="" if transient else "\n", flush=True)
+            done.set()
 
     def line() -> None:
-        shown.set()
-        print(PREFIX + text, file=sys.stderr, end="" if tty else "\n", flush=True)
+        with lock:
+            if done.is_set():
+                return
+            shown.set()
+            if tty is None:
+                return _write(PREFIX + text)
+            print(PREFIX + text, file=tty, end="", flush=True)
+            with _OPEN_LOCK:
+                _OPEN.append(end)
 
     def show() -> None:
-        if after:
-            if done.wait(after):
-                return  # over before it was worth a line
+        if after and not done.wait(after):
             line()
-        turn = 0
         while tty and not done.wait(0.25):
-            if time.monotonic() - start > 2:
-                turn += 1
-                print(f"\r{PREFIX}{text} {SPIN[turn % 4]} {time.monotonic() - start:.0f} s", end="", file=sys.stderr, flush=True)
+            with lock:
+                if shown.is_set() and not done.is_set() and time.monotonic() - start > 2:
+                    print(f"\r{PREFIX}{text} {SPIN[int(time.monotonic() * 4) % 4]} {time.monotonic() - start:.0f} s",
+                          end="", file=tty, flush=True)  # fmt: skip
 
     if not after:
         line()  # from this thread: in order with what the block prints
@@ -202,10 +288,11 @@ def phase(text: str, after: float = 0.0):
     try:
         yield
     finally:
-        done.set()
+        with _OPEN_LOCK:
+            if end in _OPEN:
+                _OPEN.remove(end)
+        end()
         spinner.join()
-        if tty and shown.is_set():
-            print(f"\r{PREFIX}{text} ({time.monotonic() - start:.1f} s)\x1b[K", file=sys.stderr, flush=True)
 
 
 def quiet_option(command, top: bool = False):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Sae", "SaeError", "read_sae", "site_of", "hookpoint_name", "same_site"]
+__all__ = ["Sae", "SaeError", "read_sae", "site_of", "hookpoint_name", "same_site", "site_problem"]
 
 _HF = re.compile(r"^(?:model\.)?(?:layers|h)\.(\d+)(?:\.(self_attn|attn|mlp|self_attn\.o_proj))?$")
 _HF_SITES = {None: "resid_post", "self_attn": "attn_out", "attn": "attn_out", "self_attn.o_proj": "attn_out", "mlp": "mlp_out"}
@@ -200,6 +200,14 @@ def _expected_sites(site: str, layer: int) -> list[tuple[str, int]]:
     return [(site, layer), ("attn_out", layer)] if site == "attn_head" else [(site, layer)]
 
 
+def site_problem(sae: Sae, site: str, layer: int | None) -> str | None:
+    """Why `sae` cannot serve an intervention at (site, layer): it reads another site; None when it can (or cannot tell)."""
+    if sae.site is None or layer is None or any(same_site(sae.site, s) for s in _expected_sites(site, layer)):
+        return None
+    return (f"the SAE at {sae.path} reads {sae.hook_name} ({sae.site[0]} at layer {sae.site[1]}), but the intervention "
+            f"steers {site} at layer {layer}: use that SAE's site and layer, or the SAE of this one")
+
+
 def feature_vector(ref, site: str, layer: int | None, base: Path, fail, head: int | None = None) -> tuple[np.ndarray, dict, float]:
     """(float32 vector, record entry, alpha shift) of `ref` = `{sae, feature, hookpoint, about_b_dec}` for an
     intervention at `site` and `layer` (resolved, or None when the model's layer count is unknown).
@@ -217,9 +225,9 @@ def feature_vector(ref, site: str, layer: int | None, base: Path, fail, head: in
         vector = sae.feature(ref.feature)
     except SaeError as e:
         raise fail(str(e), ".feature") from None
-    if sae.site is not None and layer is not None and not any(same_site(sae.site, s) for s in _expected_sites(site, layer)):
-        raise fail(f"the SAE at {sae.path} reads {sae.hook_name} ({sae.site[0]} at layer {sae.site[1]}), but the intervention "
-                   f"steers {site} at layer {layer}: use that SAE's site and layer, or the SAE of this one", ".sae")  # fmt: skip
+    problem = site_problem(sae, site, layer)
+    if problem:
+        raise fail(problem, ".sae")
     if sae.head is not None and head is not None and sae.head != head:
         raise fail(f"the SAE at {sae.path} reads head {sae.head} (hook_head_index) but the intervention steers head {head}", ".sae")
     if not vector.any():

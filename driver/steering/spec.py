@@ -116,7 +116,7 @@ def _read_safetensors(path: Path, key: str, fail) -> tuple[np.ndarray, dict | No
 
 def _natural(key: str) -> list:
     """resid_post.2 before resid_post.10 (numbers and words never compared with each other)."""
-    return [(0, int(p), "") if p.lstrip("-").isdigit() else (1, 0, p) for p in key.split(".")]
+    return [(0, int(p), "") if p.lstrip("-").isascii() and p.lstrip("-").isdigit() else (1, 0, p) for p in key.split(".")]
 
 
 def _default_key(iv: InterventionSpec, n_layers: int | None, fail) -> str:
@@ -136,7 +136,7 @@ def _default_key(iv: InterventionSpec, n_layers: int | None, fail) -> str:
 def _same_head(key: str, iv: InterventionSpec, fail) -> None:
     """A key `attn_head.L.h` (as `driver vectors` writes them) names its head: another head's vector is refused."""
     parts = key.split(".")
-    if iv.head is None or len(parts) != 3 or parts[0] not in HEAD_SITES or not parts[2].isdigit():
+    if iv.head is None or len(parts) != 3 or parts[0] not in HEAD_SITES or not (parts[2].isascii() and parts[2].isdigit()):
         return
     if int(parts[2]) != iv.head:
         fixed = ".".join([*parts[:2], str(iv.head)])

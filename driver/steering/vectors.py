@@ -93,7 +93,8 @@ def parse_layers(spec: str, n_layers: int, what: str = "layer") -> list[int]:
     for item in spec.split(","):
         layer = integer(item)  # ASCII digits only, as every whole number (Python's int() reads 1_0 as 10)
         if layer is None:
-            raise ValueError(f"bad {what} {item.strip()!r} in {spec!r}: use 'all' or integers like 2,3,4 or -1")
+            like = "0,3" if what == "head" else "2,3,4 or -1"  # heads never count from the end
+            raise ValueError(f"bad {what} {item.strip()!r} in {spec!r}: use 'all' or integers like {like}")
         if what == "head" and layer < 0:
             raise ValueError(f"head {layer}: {NEGATIVE_HEAD}: give 0..{n_layers - 1} or all")
         if not -n_layers <= layer < n_layers:

@@ -1,49 +1,23 @@
-"""The plan of a sweep: its file checked against the model, vectors, tasks and prompt sets, and every configuration."""
+"""The plan of a sweep: its file checked against the model, vectors, tasks and prompt sets, and every configuration
+(driver.sweep.configs)."""
 
 from __future__ import annotations
 
-import difflib
+import functools
 import itertools
 import os
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from worker.spec import HEAD_SITES, NO_STEERING, Intervention, Steering, head_shape
+from worker.spec import HEAD_SITES, head_shape
 
 from driver.steering.userfiles import jsonl_lines
-from driver.sweep.rows import BASELINE
-from driver.sweep.schema import NAME, Grid, PromptSet, SweepError, SweepFile, Tasks, VectorSource, one_line, read_sweep_file
+from driver.sweep.configs import BASELINE, Config, Model, TopAt, choose_top, grid_configs, grid_vectors, nonempty
+from driver.sweep.schema import NAME, Grid, PromptSet, SweepError, SweepFile, Tasks, one_line, read_sweep_file
 
-__all__ = ["Config", "Prompt", "Sweep", "BASELINE", "load_sweep", "read_prompts"]
-
-_DIRECTIONLESS = ("ablate", "clamp")  # ops that need a nonzero vector
-_IDENTITY_AT_ZERO = ("add", "replace")  # ops for which alpha 0 is the unsteered model
-
-
-@dataclass(frozen=True)
-class Config:
-    """One steering configuration of the grid (the baseline: every field None, no interventions)."""
-
-    id: str
-    steering: Steering
-    vector: str | None = None
-    site: str | None = None
-    layer: int | None = None
-    op: str | None = None
-    positions: str | None = None
-    alpha: float | None = None  # None: the baseline, or an op that takes no alpha (ablate)
-    record: dict | None = None  # what goes into lm-eval's results JSON (config.orchard.steering)
-    head: int | None = None  # the attention head, at a head site (attn_head)
-
-    @property
-    def fields(self) -> dict:
-        return {"config": self.id, "vector": self.vector, "layer": self.layer, "site": self.site, "head": self.head,
-                "op": self.op, "positions": self.positions, "alpha": 0.0 if self.id == BASELINE else self.alpha}  # fmt: skip
+__all__ = ["Config", "Prompt", "Sweep", "BASELINE", "load_sweep", "read_prompts", "choose_top"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +38,9 @@ class Sweep:
     configs: list[Config]  # the baseline first
     prompt_sets: dict[str, tuple[PromptSet, list[Prompt]]] = field(default_factory=dict)
     plan: Any = None  # driver.lm.evaluation.Plan for the lm-eval tasks, or None
+    tops: list[TopAt] = field(default_factory=list)  # `top: K` sources, each place checked; ranked once workers run
+    expand: Callable[[dict], list[Config]] | None = None  # the configurations, given {(vector, site, layer): features}
+    top_features: list[dict] = field(default_factory=list)  # what choose_top chose (run.json, summary.md)
 
     @property
     def grid(self) -> list[Config]:
@@ -108,143 +85,34 @@ def _heads(grid: Grid, n_heads: int | None, where: str) -> list[int]:
     return list(grid.heads)
 
 
-@dataclass(frozen=True)
-class _Model:
-    """What the vectors are checked against: the model's config.json, its dtype setting, its layer count."""
+def _tops(spec: SweepFile, layers: list[int], model: Model, base: Path, where: str) -> list[TopAt]:
+    """Each `top: K` source at each place of the grid: its SAE's encoder and its prompts, checked before any worker."""
+    from driver.steering.encoders import ranking_encoder
+    from driver.steering.saes import SaeError
 
-    config: dict
-    dtype: str | None
-    n_layers: int
-
-
-def _vector_file(name: str, source: VectorSource, layer: int, n_layers: int, where: str) -> tuple[str, str]:
-    """(file, label) of a vector source at one layer: its file, or its `layers:` entry for that layer."""
-    label = f"vectors.{name}"
-    if source.layers is None:
-        return source.file, label
-    file = source.layers.get(layer)
-    if file is None:
-        negative = {k % n_layers: f for k, f in source.layers.items() if -n_layers <= k < n_layers}
-        file = negative.get(layer)
-    if file is None:
-        listed = ", ".join(map(str, sorted(source.layers)))
-        raise SweepError(f"{where}: {label}.layers: no vector for layer {layer} (it has layers {listed}); add one or drop the layer from grid.layers")
-    return file, f"{label}.layers.{layer}"
-
-
-def _vector_ref(name: str, source: VectorSource, at: tuple, n_layers: int, where: str) -> tuple[str, dict]:
-    """(label, the spec's `vector:`) of a vector source at `at` = (site, layer, head)."""
-    site, layer, head = at
-    if source.sae is not None:  # one feature: the plan's expansion leaves one per source
-        return f"vectors.{name}", {"sae": source.sae, "feature": source.features[0]}
-    file, label = _vector_file(name, source, layer, n_layers, where)
-    ref: dict = {"file": file}
-    if file.lower().endswith(".safetensors"):
-        default = "{site}.{layer}.{head}" if head is not None else "{site}.{layer}"  # as `driver vectors` keys them
-        ref["key"] = (source.key or default).format(site=site, layer=layer, head=head)
-    elif source.key is not None and source.file is not None:
-        raise SweepError(f"{where}: {label}.key: `key` applies only to .safetensors files; remove it")
-    return label, ref
-
-
-def _load_vector(name: str, source: VectorSource, at: tuple, ops: Sequence[str], model: _Model, base: Path, where: str):
-    """The checked `Intervention` (alpha 1, op add) for one vector at `at` = (site, layer, head), and its record;
-    checked as `driver run` checks a spec (driver.steering.spec.for_model): shape, dtype, the sites the model has."""
-    from driver.steering.spec import SteeringError, for_model
-
-    site, layer, head = at
-    label, ref = _vector_ref(name, source, at, model.n_layers, where)
-    # checked as add writes it (in the model's dtype) when an op writes v itself, and for a direction (a zero
-    # vector refused naming the op) when an op needs one: ablate, clamp
-    directionless = next((op for op in ops if op in _DIRECTIONLESS), None)
-    checked_as = "add" if directionless is None or any(op not in _DIRECTIONLESS for op in ops) else directionless
-    iv = {"layer": layer, "site": site, "op": checked_as, "vector": ref, "normalize": source.normalize}
-    spec = {"interventions": [iv if head is None else {**iv, "head": head}]}
-    try:
-        loaded = for_model(spec, model.config, model.dtype, base)
-    except SteeringError as e:
-        text = str(e).removeprefix("steering spec (dict): ")
-        for prefix in ("interventions[0].vector", "interventions[0]"):
-            if text.startswith(prefix):
-                text = text[len(prefix) :]
-                break
-        text = re.sub(r"^\.(file|key)", lambda m: "" if source.layers is not None else m.group(0), text)
-        text = text.replace("interventions[0].", "")
-        at_head = "" if head is None else f", head {head}"
-        raise SweepError(one_line(f"{where}: {label}{text} (layer {layer}, site {site}{at_head})")) from None
-    first = loaded.steering.interventions[0]
-    if directionless and not any(first.vector):
-        at_head = "" if head is None else f", head {head}"
-        raise SweepError(f"{where}: {label}: is all zeros, so it has no direction for op {directionless}: use a nonzero "
-                         f"vector (layer {layer}, site {site}{at_head})")  # fmt: skip
-    return first.model_copy(update={"op": "add"}), loaded.record["vectors"][0]
-
-
-def _fmt_alpha(alpha: float) -> str:
-    return f"{alpha:+g}"
-
-
-def _steering(iv: Intervention, where: str) -> Steering:
-    """One configuration's steering, validated as the worker will (e.g. alpha·v finite in float32)."""
-    try:
-        return Steering(interventions=(iv,))
-    except ValidationError as e:
-        raise SweepError(one_line(f"{where}: {e.errors()[0]['msg'].removeprefix('Value error, ')}")) from None
-
-
-def _vector_names(spec: SweepFile, where: str) -> list[str]:
-    g = spec.grid
-    names = list(g.vectors) if g.vectors is not None else list(spec.vectors)
-    unknown = [n for n in names if n not in spec.vectors]
-    if unknown:
-        near = difflib.get_close_matches(unknown[0], list(spec.vectors), n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise SweepError(f"{where}: grid.vectors: no vector named {unknown[0]!r} ({hint}the file has: {', '.join(spec.vectors)})")
-    return [f"{n}-f{f}" if spec.vectors[n].sae is not None else n for n in names for f in (spec.vectors[n].features or (None,))]
-
-
-def _source(spec: SweepFile, name: str) -> VectorSource:
-    """The source of a vector name; NAME-fN is feature N of the SAE source NAME (the features axis)."""
-    base, _, feature = name.rpartition("-f")
-    if name not in spec.vectors and base in spec.vectors and spec.vectors[base].sae is not None:
-        return spec.vectors[base].model_copy(update={"features": (int(feature),)})
-    return spec.vectors[name]
-
-
-def _config(name: str, at: tuple, op: str, positions: str, alpha: float | None, loaded: tuple, where: str) -> Config:
-    """One configuration: the vector `name` at `at` = (site, layer, head), as `loaded` (its Intervention, record)."""
-    (site, layer, head), (base_iv, vrecord) = at, loaded
-    iv: Intervention = base_iv.model_copy(update={"op": op, "positions": positions, "alpha": 1.0 if alpha is None else float(alpha)})
-    at_head = "" if head is None else f" head {head},"
-    steering = _steering(iv, f"{where}: grid.alphas: {alpha:g} (vector {name}, layer {layer}, {site},{at_head} {op})")
-    cid = f"{name}.{site}.L{layer}" + ("" if head is None else f".h{head}") + f".{op}.{positions}"
-    cid += "" if alpha is None else f".a{_fmt_alpha(alpha)}"
-    written = {"layer": layer, "site": site, **({} if head is None else {"head": head}), "op": op, "positions": positions,
-               "alpha": iv.alpha, "normalize": iv.normalize,
-               "vector": {"source": name, **{k: vrecord[k] for k in ("path", "key")}}}  # fmt: skip
-    record = {"source": str(Path(where).absolute()), "sweep_config": cid, "spec": {"interventions": [written]},
-              "vectors": [vrecord], "key": steering.key(), "resolved_layers": [layer]}  # fmt: skip
-    return Config(cid, steering, name, site, layer, op, positions, alpha, record, head)
-
-
-def _configs(spec: SweepFile, layers: list[int], heads: list[int], model: _Model, base: Path, where: str) -> list[Config]:
-    """The baseline, then every configuration of the grid (heads innermost, at a head site only)."""
-    g = spec.grid
-    configs = [Config(BASELINE, NO_STEERING)]
-    loaded: dict[tuple, tuple[Intervention, dict]] = {}
-    for name, site, op, positions, layer in itertools.product(_vector_names(spec, where), g.sites, g.ops, g.positions, layers):
-        for head in heads if site in HEAD_SITES else [None]:
-            at = (site, layer, head)
-            if (name, at) not in loaded:  # each vector read and checked once, whatever the ops and positions
-                loaded[(name, at)] = _load_vector(name, _source(spec, name), at, g.ops, model, base, where)
-            alphas = [None] if op == "ablate" else [a for a in g.alphas if not (a == 0 and op in _IDENTITY_AT_ZERO)]
-            configs += [_config(name, at, op, positions, alpha, loaded[(name, at)], where) for alpha in alphas]
-    if len(configs) == 1:
-        raise SweepError(
-            f"{where}: grid: empty (every alpha is 0, which is the baseline for ops {', '.join(_IDENTITY_AT_ZERO)}): "
-            "list nonzero alphas"
-        )
-    return configs
+    out, read = [], {}
+    for name in grid_vectors(spec, where):
+        source, label = spec.vectors[name], f"{where}: vectors.{name}"
+        if source.prompts is None:
+            continue
+        file = base / Path(source.prompts).expanduser()
+        try:
+            read[file] = read[file] if file in read else read_prompts(file, label)
+        except SweepError as e:  # the file's own problems name the file (and line): say which source reads it
+            raise SweepError(str(e) if str(e).startswith(label) else f"{label}.prompts: {e}") from None
+        for site, layer in itertools.product(spec.grid.sites, layers):
+            if site in HEAD_SITES:
+                raise SweepError(f"{label}.top: ranks features on a whole site's activations, not on {site}'s heads: list "
+                                 "the features to sweep (features: [..])")  # fmt: skip
+            try:
+                encoder = ranking_encoder(base / Path(source.sae).expanduser(), site, layer, model.hidden)
+            except SaeError as e:
+                raise SweepError(one_line(f"{label}.sae: {e} (layer {layer}, site {site})")) from None
+            if source.top is not None and source.top > encoder.d_sae:
+                raise SweepError(f"{label}.top: {source.top} is past the SAE's {encoder.d_sae} features (use 1..{encoder.d_sae}, "
+                                 f"or list them: features: [..]) (layer {layer}, site {site})")  # fmt: skip
+            out.append(TopAt(name, site, layer, encoder, source.top, str(file), read[file]))
+    return out
 
 
 def read_prompts(path: Path, where: str) -> list[Prompt]:
@@ -353,7 +221,13 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         raise SweepError(f"{where}: model.pretrained: the model's config.json does not give its number of layers")
     layers = _layers(spec.grid, shape[0], where)
     heads = _heads(spec.grid, head_shape(config)[0], where)
-    configs = _configs(spec, layers, heads, _Model(config, m.dtype, shape[0]), base, where)
+    nonempty(spec.grid, where)
+    c = spec.condition
+    condition = None if c is None else {**c.model_dump(mode="json"), "threshold": spec.grid.thresholds[0]}
+    model = Model(config, m.dtype, shape[0], shape[1], condition)
+    expand = functools.partial(grid_configs, spec, layers, heads, model, base, where)
+    configs = expand({})
+    tops = _tops(spec, layers, model, base, where)
     window = context_window(config, m.max_length)
     prompt_sets: dict[str, tuple[PromptSet, list[Prompt]]] = {}
     for i, ps in enumerate(spec.prompts):
@@ -372,4 +246,4 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         args["adapter_path"] = str((base / Path(m.adapter_path).expanduser()).resolve())
     if m.threads is not None:
         args["threads"] = m.threads
-    return Sweep(path, spec, args, shape[0], configs, prompt_sets, plan)
+    return Sweep(path, spec, args, shape[0], configs, prompt_sets, plan, tops, expand)

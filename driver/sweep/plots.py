@@ -53,11 +53,13 @@ def by_metric(rows: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
 
 def facets(rows: Sequence[dict], columns: str = ALPHAS) -> dict[tuple, list[dict]]:
     """Non-baseline rows of one metric, one heatmap panel each: columns ALPHAS, the rows without a head grouped by
-    (vector, site, op, positions); HEADS, the rows with one grouped by (vector, site, op, positions, alpha)."""
+    (vector, site, op, positions); HEADS, the rows with one grouped by (vector, site, op, positions, alpha); a
+    conditional sweep's rows by their threshold too, last: ("t", threshold)."""
     out: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["config"] != BASELINE and (r.get("head") is not None) == (columns == HEADS):
             key = (r["vector"], r["site"], r["op"], r["positions"]) + ((r["alpha"],) if columns == HEADS else ())
+            key += () if r.get("threshold") is None else (("t", r["threshold"]),)
             out.setdefault(key, []).append(r)
     return out
 
@@ -136,8 +138,10 @@ def _title(task: str, metric: str, baseline: dict | None) -> str:
 
 def _facet_title(key: tuple) -> str:
     vector, site, op, positions = key[:4]
-    alpha = "" if len(key) < 5 or key[4] is None or op == "ablate" else f" α={key[4]:g}"
-    return f"vector {vector} at {site}\n{op}{alpha}, positions {positions}"
+    rest = [k for k in key[4:] if not isinstance(k, tuple)]
+    alpha = "" if not rest or rest[0] is None or op == "ablate" else f" α={rest[0]:g}"
+    threshold = "".join(f", threshold {k[1]:g}" for k in key[4:] if isinstance(k, tuple))
+    return f"vector {vector} at {site}\n{op}{alpha}, positions {positions}{threshold}"
 
 
 def heatmap(task: str, metric: str, rows: Sequence[dict], columns: str = ALPHAS) -> bytes:

@@ -73,6 +73,10 @@ def lm_eval_per_config(lm, args, sweep, calls, answers, results, output, echo, f
     for c, config in enumerate(sweep.configs[1:], 1):
         if c in failed:
             continue  # a non-finite score: lm-eval would fail on it (or score empty texts); its rows are failed cells
+        if config.steering.conditional:  # as `driver run --steer` runs it, counting the rows fired per task; its
+            with lm.steered(config.steering, config.record):  # requests come from the cache its own jobs filled
+                results[config.id] = evaluate(lm, args, sweep.plan, str(output)).results
+            continue
         per_call = [answers[kind][c][o : o + n] for kind, o, n in spans]
         replay = Replay(lm.executor, calls, per_call, config.steering)
         with lm.steered(config.steering, config.record), swapped_executor(lm, replay):

@@ -32,13 +32,13 @@ from typing import Any
 from driver.lm.evaluation import per_worker
 from driver.sweep import outdir
 from driver.sweep.plots import HEADS, by_metric, facets, heatmap, lines
-from driver.sweep.rows import failures
-from driver.sweep.summary import summary_md
+from driver.sweep.rows import FIRED, failures
+from driver.sweep.summary import condition_facts, summary_md
 
 __all__ = ["COLUMNS", "write_outputs", "read_csv", "run_facts", "problems", "slug"]
 
-COLUMNS = ("config", "vector", "layer", "site", "head", "op", "positions", "alpha", "task", "metric", "value", "stderr", "n", "delta",
-           "fluent", "error")  # fmt: skip
+COLUMNS = ("config", "vector", "layer", "site", "head", "op", "positions", "alpha", "threshold", "task", "metric", "value", "stderr", "n",
+           "delta", "fluent", "error")  # fmt: skip
 
 # --- atomic files ---------------------------------------------------------------------------------------------
 
@@ -130,6 +130,8 @@ def write_outputs(outcome, folder: str | os.PathLike) -> dict[str, Any]:
         files.add(write_atomic(folder / "lm-eval" / f"{slug(config_id)}.json", _json(results, indent=2)))
     plots: dict[tuple[str, str], list[str]] = {}
     for (task, metric), mrows in by_metric(rows).items():
+        if metric == FIRED:  # a share of rows, not a change from the baseline: summary.md's Condition table says it
+            continue
         name = f"{slug(task)}-{slug(metric)}.png"
         drawn = []
         if facets(mrows):  # layers × alphas, sites without heads
@@ -145,7 +147,9 @@ def write_outputs(outcome, folder: str | os.PathLike) -> dict[str, Any]:
     facts = {**run_facts(outcome.info, outcome.seconds), "sweep": str(outcome.sweep.path.absolute()),
              "configurations": [{**c.fields, "steering_key": c.steering.key()} for c in outcome.sweep.configs],
              "failed": failures(rows), "not_fluent": sorted({r["config"] for r in rows if r.get("fluent") is False}),
-             "metrics": [list(k) for k in by_metric(rows)], "worker_facts": outcome.info.get("facts")}  # fmt: skip
+             "metrics": [list(k) for k in by_metric(rows)], "worker_facts": outcome.info.get("facts"),
+             **({"top_features": outcome.sweep.top_features} if outcome.sweep.top_features else {}),
+             **({"condition": condition_facts(outcome.sweep, rows)} if outcome.sweep.spec.condition else {})}  # fmt: skip
     written["run"] = write_atomic(folder / "run.json", _json(facts, indent=2))
     written["summary"] = write_atomic(folder / "summary.md", summary_md(outcome, plots, facts))
     written["csv"] = write_atomic(folder / "results.csv", _csv(rows))
@@ -161,7 +165,7 @@ def read_csv(path: str | os.PathLike) -> list[dict]:
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             row: dict[str, Any] = {k: (v if v != "" else None) for k, v in r.items()}
-            for k in ("value", "stderr", "delta", "alpha"):
+            for k in ("value", "stderr", "delta", "alpha", "threshold"):
                 row[k] = float(r[k]) if r[k] != "" else None
             for k in ("layer", "head", "n"):
                 row[k] = int(r[k]) if r[k] != "" else None

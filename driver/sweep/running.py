@@ -28,10 +28,12 @@ from worker.spec import Grouping
 
 from driver.sweep import fluency
 from driver.sweep.grid import run_grids
-from driver.sweep.plan import BASELINE, Sweep
+from driver.sweep.configs import measure_features
+from driver.sweep.plan import BASELINE, Sweep, choose_top
 from driver.sweep.replay import Recorder, lm_eval_per_config, swapped_executor
-from driver.sweep.rows import PROMPT_HIGHER, add_deltas, lm_eval_failure, lm_eval_rows, prompt_rows
-from driver.sweep.targets import count_long, truncated, unequal_lengths, score as target_score
+from driver.sweep.rows import (FIRED, PROMPT_HIGHER, add_deltas, count_long, fired_rows, lm_eval_failure, lm_eval_rows, prompt_rows, truncated,
+                               unequal_lengths)  # fmt: skip
+from driver.sweep.rows import score as target_score
 
 __all__ = ["Outcome", "run"]
 
@@ -94,11 +96,13 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
     for name, value in (("address", address), ("threads", threads)):
         if value is not None:
             args[name] = value
-    configs, steerings = sweep.configs, [c.steering for c in sweep.configs]
     lm = open_model(args)
     for line in notes:  # what auto chose: said once the workers start, so a refusal stays one line
         print(line, file=sys.stderr)
     try:
+        if sweep.tops:  # `top: K`: the features each SAE ranks highest on its prompts, captured on the workers
+            choose_top(sweep, lm, echo)
+        configs, steerings = sweep.configs, [c.steering for c in sweep.configs]
         placed = lm.executor.info()["workers"]  # none yet when the cache holds this model's results
         echo(f"sweep: {len(configs) - 1} configuration{'s' * (len(configs) != 2)} + the baseline" + (f" on {placed} worker{'s' * (placed != 1)}" if placed else ""))
         # 1. lm-eval, unsteered: the baseline's metrics, and the requests every configuration sends
@@ -116,7 +120,8 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         targets, target_pairs, gens, gen_requests = _prompt_requests(lm, sweep)
         wanted["loglikelihood"] += target_pairs
         wanted["generate"] += gen_requests
-        answers, failed = run_grids(lm.executor, steerings, wanted, echo)  # a non-finite configuration is set aside
+        answers, failed, fired = run_grids(lm.executor, steerings, wanted, echo)  # a non-finite configuration is set aside
+        measured = measure_features(sweep, lm, echo)  # an SAE feature's activation under its configuration, on its prompts
         # 3. lm-eval per configuration, answered from the grid
         if sweep.plan is not None:
             lm_eval_per_config(lm, args, sweep, calls, answers, results, output, echo, failed)
@@ -126,7 +131,7 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         info = lm.executor.info()
     finally:
         lm.executor.close()
-    return _outcome(sweep, results, answers, targets, gens, calls, (texts, scores, failed), info, time.monotonic() - start)
+    return _outcome(sweep, results, answers, targets, gens, calls, (texts, scores, failed, fired, measured), info, time.monotonic() - start)
 
 
 def _texts(sweep, configs, answers, gens, calls) -> list[list[tuple[str, str]]]:
@@ -137,20 +142,24 @@ def _texts(sweep, configs, answers, gens, calls) -> list[list[tuple[str, str]]]:
 
 
 def _outcome(sweep, results, answers, targets, gens, calls, generated, info, seconds) -> Outcome:
-    texts, scores, failed = generated
+    texts, scores, failed, fired, measured = generated
     rows, generations, better = [], [], {}
     n_task_ll = sum(len(r) for k, r in calls if k == "loglikelihood")
     for c, config in enumerate(sweep.configs):
         if sweep.plan is not None:
             why = (lm_eval_failure(answers["loglikelihood"][c][:n_task_ll]) if n_task_ll else None) or failed.get(c)
             found, hib = lm_eval_rows(results.get(config.id, results[BASELINE]), why)  # failed: the baseline's metrics
+            found += fired_rows((results.get(config.id) or {}).get("orchard_fired", {}))
+            better.update({(t, m): None for t, m, *_ in found if m == FIRED})
             better.update(hib)
             rows += [{**config.fields, "task": t, "metric": m, "value": v, "stderr": s, "n": n, "error": e} for t, m, v, s, n, e in found]
+        rows += [{**config.fields, **row} for row in measured.get(c, [])]
         for name, (ps, prompts) in sweep.prompt_sets.items():
             logprobs = {(i, t): target_score(float(answers["loglikelihood"][c][n_task_ll + j][0]), k, ps.target_score or "sum")
                         for j, (s, i, t, k) in enumerate(targets) if s == name}  # fmt: skip
             mine = [j for j, (s, _) in enumerate(gens) if s == name]
             found = prompt_rows(prompts, logprobs, ps.file) + (fluency.rows([texts[c][j] for j in mine], scores, failed.get(c)) if mine else [])
+            found += _fired_in_set(fired.get(c), name, targets, gens, n_task_ll, calls)
             for metric, value, stderr, n, error in found:
                 rows.append({**config.fields, "task": name, "metric": metric, "value": value, "stderr": stderr, "n": n, "error": error})
                 better[(name, metric)] = {**PROMPT_HIGHER, **fluency.METRICS}.get(metric, True)
@@ -164,3 +173,13 @@ def _outcome(sweep, results, answers, targets, gens, calls, generated, info, sec
     fluency.mark(rows, generations)
     lm_eval_results = {k: {key: v for key, v in r.items() if key != "samples"} for k, r in results.items()}
     return Outcome(sweep, rows, generations, lm_eval_results, info, seconds, better)
+
+
+def _fired_in_set(flags: dict | None, name: str, targets, gens, n_task_ll: int, calls) -> list[tuple]:
+    """A conditional configuration's `fired` row on prompt set `name`: its target and generation rows that fired."""
+    if flags is None:
+        return []
+    skip = sum(len(r) for k, r in calls if k == "generate")
+    mine = [flags["loglikelihood"][n_task_ll + j] for j, t in enumerate(targets) if t[0] == name]
+    mine += [flags["generate"][skip + j] for j, g in enumerate(gens) if g[0] == name and "generate" in flags]
+    return [row[1:] for row in fired_rows({name: {"fired": sum(mine), "rows": len(mine)}})] if mine else []

@@ -16,9 +16,10 @@ from worker.spec import HEAD_SITES, SITES
 
 from driver.checks import settings
 from driver.checks.errors import one_line
+from driver.steering.schema import VectorField
 from driver.steering.userfiles import explain, load_yaml, short, yaml_problem
 
-__all__ = ["SweepError", "SweepFile", "ModelSettings", "VectorSource", "Grid", "Tasks", "PromptSet", "read_sweep_file",
+__all__ = ["SweepError", "SweepFile", "ModelSettings", "VectorSource", "Grid", "Tasks", "PromptSet", "Condition", "read_sweep_file",
            "one_line", "NAME"]  # fmt: skip
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # a vector, target or prompt set name
@@ -87,14 +88,21 @@ class VectorSource(BaseModel):
     normalize: StrictBool = False
     sae: str | None = None  # an SAE folder (driver.steering.saes): one vector per feature of `features`, named NAME-fN
     features: tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None = None
+    top: StrictInt | None = Field(default=None, ge=1)  # or the `top` features most active on `prompts` (the SAE's encoder)
+    prompts: str | None = None  # a JSONL of {"prompt": ...} lines: `top` ranks on them; each feature's activation measured on them
 
     @model_validator(mode="after")
     def _one_source(self) -> VectorSource:
         if sum(x is not None for x in (self.file, self.layers, self.sae)) != 1:
             raise ValueError("give exactly one of `file:` (a .safetensors from `driver vectors`), `layers: {L: file}` or "
-                             "`sae: FOLDER` with `features: [..]`")  # fmt: skip
-        if (self.sae is None) != (self.features is None):
-            raise ValueError("`sae:` and `features:` go together: the SAE folder and the features to sweep, e.g. [12, 40]")
+                             "`sae: FOLDER` with `features: [..]` or `top: K`")  # fmt: skip
+        if (self.sae is None) != ((self.features is None) == (self.top is None)):
+            raise ValueError("`sae:` takes either `features: [..]` (the features to sweep, e.g. [12, 40]) or `top: K` with "
+                             "`prompts: FILE` (the K features most active on those prompts)")  # fmt: skip
+        if self.top is not None and self.prompts is None:
+            raise ValueError("`top:` needs `prompts: FILE`, the JSONL of prompts its features are ranked on")
+        if self.prompts is not None and self.sae is None:
+            raise ValueError("`prompts:` goes with `sae:`: the prompts an SAE's features are ranked and measured on")
         if self.features is not None and (not self.features or len(set(self.features)) != len(self.features)):
             raise ValueError("`features:` must list distinct feature indices, at least one")
         if self.layers is not None and not self.layers:
@@ -125,8 +133,9 @@ class Grid(BaseModel):
     sites: tuple[Literal[SITES], ...] = ("resid_post",)  # every site worker.spec knows
     heads: Union[Literal["all"], tuple[Annotated[int, Field(strict=True, ge=0)], ...], None] = None  # head sites only
     vectors: tuple[str, ...] | None = None  # default: every vector of the file
+    thresholds: tuple[Annotated[float, Field(strict=True, allow_inf_nan=False)], ...] | None = None  # with `condition:`
 
-    @field_validator("layers", "alphas", "ops", "positions", "sites", "heads", "vectors", mode="before")
+    @field_validator("layers", "alphas", "ops", "positions", "sites", "heads", "vectors", "thresholds", mode="before")
     @classmethod
     def _scalar_is_a_list(cls, v: Any, info) -> Any:
         if v == "all" or (info.field_name in ("layers", "heads") and isinstance(v, str)):
@@ -145,7 +154,7 @@ class Grid(BaseModel):
                              "(all, or a list such as [0, 5])")  # fmt: skip
         return self
 
-    @field_validator("ops", "positions", "sites", "heads", "vectors", "layers", "alphas")
+    @field_validator("ops", "positions", "sites", "heads", "vectors", "layers", "alphas", "thresholds")
     @classmethod
     def _nonempty_unique(cls, v: Any) -> Any:
         if v == "all" or v is None:
@@ -226,6 +235,25 @@ class PromptSet(BaseModel):
         return _listify(v)
 
 
+class Condition(BaseModel):
+    """CAST's condition on every configuration, as a steering spec's `condition:` (driver.steering.schema.ConditionSpec)
+    but for its threshold: grid.thresholds is an axis of the grid."""
+
+    model_config = _Frozen
+
+    vector: VectorField
+    layers: tuple[StrictInt, ...] = Field(min_length=1)
+    compare: Literal["greater", "smaller"] = "greater"
+    pool: Literal["mean", "last"] = "mean"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _threshold_is_an_axis(cls, v: Any) -> Any:
+        if isinstance(v, Mapping) and "threshold" in v:
+            raise ValueError("a sweep takes its thresholds as an axis: list them in grid.thresholds, e.g. [0.1, 0.2]")
+        return {**v, "vector": os.fspath(v["vector"])} if isinstance(v, Mapping) and isinstance(v.get("vector"), os.PathLike) else v
+
+
 class SweepFile(BaseModel):
     """The whole sweep file."""
 
@@ -236,6 +264,7 @@ class SweepFile(BaseModel):
     grid: Grid
     tasks: Tasks | None = None
     prompts: tuple[PromptSet, ...] = ()
+    condition: Condition | None = None  # conditional steering (CAST) of every configuration, at each of grid.thresholds
 
     @field_validator("model", mode="before")
     @classmethod
@@ -274,12 +303,16 @@ class SweepFile(BaseModel):
     def _something_to_evaluate(self) -> SweepFile:
         if self.tasks is None and not self.prompts:
             raise ValueError("nothing to evaluate: give `tasks:` (lm-eval tasks), `prompts:` (a prompt set), or both")
+        if (self.condition is None) != (self.grid.thresholds is None):
+            raise ValueError("`condition:` and grid.thresholds go together: the CAST condition, and the thresholds to sweep it at"
+                             if self.condition is None else "condition: give grid.thresholds, the thresholds to sweep it at, e.g. [0.1, 0.2]")
         return self
 
 
 # --- pydantic errors as one line ---------------------------------------------------------------------------
 
-_MODELS = {"": SweepFile, "model": ModelSettings, "grid": Grid, "tasks": Tasks, "prompts": PromptSet, "vectors": VectorSource}
+_MODELS = {"": SweepFile, "model": ModelSettings, "grid": Grid, "tasks": Tasks, "prompts": PromptSet, "vectors": VectorSource,
+           "condition": Condition}
 
 
 def _is_tag(part: Any) -> bool:

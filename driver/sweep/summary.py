@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from driver.lm.evaluation import on_workers
 from driver.sweep import fluency
 from driver.sweep.plots import by_metric, signed
-from driver.sweep.rows import BASELINE, failures
+from driver.sweep.rows import BASELINE, FIRED, failures
 
-__all__ = ["summary_md", "extremes"]
+__all__ = ["summary_md", "extremes", "condition_facts"]
 
 
 def _config_label(r: dict) -> str:
@@ -18,7 +18,8 @@ def _config_label(r: dict) -> str:
         return "baseline"
     alpha = "" if r["alpha"] is None else f" α={r['alpha']:g}"
     head = "" if r.get("head") is None else f" head {r['head']}"
-    return f"{r['vector']} L{r['layer']} {r['site']}{head} {r['op']}{alpha} ({r['positions']})"
+    threshold = "" if r.get("threshold") is None else f" t={r['threshold']:g}"
+    return f"{r['vector']} L{r['layer']} {r['site']}{head} {r['op']}{alpha}{threshold} ({r['positions']})"
 
 
 def _num(v: float | None, digits: int = 4) -> str:
@@ -43,6 +44,8 @@ def _per_metric(outcome, metrics: dict) -> list[str]:
            "| task | metric | baseline | best configuration | its value | largest change from baseline | change |",
            "|---|---|---|---|---|---|---|"]  # fmt: skip
     for (task, metric), mrows in metrics.items():
+        if metric == FIRED:  # not a score: the Condition section
+            continue
         hib = outcome.higher_is_better.get((task, metric))
         best, largest = extremes(mrows, hib)
         b = next((r for r in mrows if r["config"] == BASELINE), None)
@@ -105,6 +108,54 @@ def _plots(plots: dict[tuple[str, str], list[str]]) -> list[str]:
     return out
 
 
+def condition_facts(sweep, rows: Sequence[dict]) -> dict:
+    """The file's condition, its thresholds, and per (threshold, task) the share of rows fired: min and max over the
+    configurations at that threshold (the decision reads the prompt only, so they differ only where steering at or
+    below a condition layer moves what it reads)."""
+    rates: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["metric"] == FIRED and r["value"] is not None:
+            rates.setdefault((r["threshold"], r["task"]), []).append(r["value"])
+    fired = [{"threshold": t, "task": task, "min": min(v), "max": max(v), "configurations": len(v)} for (t, task), v in rates.items()]
+    return {**sweep.spec.condition.model_dump(mode="json"), "thresholds": list(sweep.spec.grid.thresholds), "fired": fired}
+
+
+def _vector_text(v) -> str:
+    """A vector as the file wrote it: a path, `file` (key), or feature N of an SAE."""
+    if isinstance(v, dict) and "sae" in v:
+        return f"feature {v['feature']} of the SAE {v['sae']}"
+    return f"{v['file']}" + (f" ({v['key']})" if v.get("key") else "") if isinstance(v, dict) else str(v)
+
+
+def _condition(facts: dict | None) -> list[str]:
+    if not facts:
+        return []
+    sign = ">" if facts["compare"] == "greater" else "<"
+    out = ["", "## Condition", "",
+           f"Every configuration steers only the rows whose prompt passes CAST's condition: cos(h, tanh(P h)) {sign} the "
+           f"threshold, h the {facts['pool']} of the prompt's input of layer(s) {', '.join(map(str, facts['layers']))}, P the "
+           f"projector on {_vector_text(facts['vector'])}. `fired` (results.csv) is each configuration's share of rows steered; here "
+           "per threshold and task, its range over the configurations:", "",
+           "| threshold | task | fired | configurations |", "|---|---|---|---|"]  # fmt: skip
+    for f in facts["fired"]:
+        share = f"{f['min']:.0%}" if f["min"] == f["max"] else f"{f['min']:.0%}–{f['max']:.0%}"
+        out.append(f"| {f['threshold']:g} | {f['task']} | {share} | {f['configurations']} |")
+    return out
+
+
+def _top(top_features: Sequence[dict]) -> list[str]:
+    if not top_features:
+        return []
+    out = ["", "## Top features", "",
+           "The features each `top` source swept: the SAE's K highest by mean activation (its encoder) over its prompts' "
+           "tokens (every token but a leading BOS, each prompt weighing the same), captured at the SAE's site:", "",
+           "| vector | site | layer | prompts | feature | mean activation |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for t in top_features:
+        where = f"| {t['vector']} | {t['site']} | {t['layer']} | {t['prompts'].rsplit('/', 1)[-1]} ({t['n_prompts']}, {t['tokens']} tokens)"
+        out += [f"{where} | {f['feature']} | {f['mean_activation']:.4g} |" for f in t["features"]]
+    return out
+
+
 def summary_md(outcome, plots: dict[tuple[str, str], list[str]], facts: dict) -> str:
     """summary.md of a finished sweep, given its plots' paths and the run's facts (`report.run_facts`)."""
     sweep, rows = outcome.sweep, outcome.rows
@@ -123,10 +174,11 @@ def summary_md(outcome, plots: dict[tuple[str, str], list[str]], facts: dict) ->
         "",
         "## The grid",
         "",
-        "| vectors | sites | heads | layers | ops | positions | alphas |",
-        "|---|---|---|---|---|---|---|",
+        "| vectors | sites | heads | layers | ops | positions | alphas |" + (" thresholds |" if g.thresholds else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if g.thresholds else ""),
         f"| {', '.join(vectors)} | {', '.join(g.sites)} | {', '.join(map(str, heads)) or '–'} | {', '.join(map(str, layers))} | "
-        f"{', '.join(g.ops)} | {', '.join(g.positions)} | {', '.join(f'{a:g}' for a in alphas) or '–'} |",
+        f"{', '.join(g.ops)} | {', '.join(g.positions)} | {', '.join(f'{a:g}' for a in alphas) or '–'} |"
+        + (f" {', '.join(f'{t:g}' for t in g.thresholds)} |" if g.thresholds else ""),
         "",
         "Alpha 0 is the baseline (the unsteered model), computed once for the whole grid.",
         "",
@@ -147,7 +199,8 @@ def summary_md(outcome, plots: dict[tuple[str, str], list[str]], facts: dict) ->
         b = next((r for r in mrows if r["config"] == BASELINE), None)
         if b is not None:
             lines_.append(f"| {task} | {metric} | {_num(b['value'])} | {_num(b['stderr'], 3)} | {b['n'] if b['n'] is not None else '–'} |")
-    lines_ += _per_metric(outcome, metrics) + _failed(rows) + _fluency(rows, outcome.generations)
+    lines_ += _top(sweep.top_features) + _per_metric(outcome, metrics) + _condition(facts.get("condition"))
+    lines_ += _failed(rows) + _fluency(rows, outcome.generations)
     lines_ += _plots(plots)
     lines_ += ["", "## Run", "",
                f"- {on_workers(facts, ray=True)}",

@@ -5,9 +5,12 @@
 2. Fit a ReLU SAE (d_sae 128, tied-free encoder/decoder, L1 penalty, Adam, a few hundred full-batch steps) in
    numpy, and save it as sae-lens saves one (out/sae/cfg.json + sae_weights.safetensors: W_enc [d_in, d_sae],
    b_enc, W_dec [d_sae, d_in], b_dec).
-3. Pick the features for the sweep (the most active ones on the prompts) and a condition feature, calibrate its
-   CAST threshold on the two tasks' prompts (the median similarity, so about half the rows fire), and write
-   out/features.json, out/sweep.yaml (the feature sweep) and out/cast.yaml (the conditional steering spec).
+3. Pick the feature to steer with (the most active on the two tasks' prompts, by the rule the sweep's `top: K`
+   ranks with: each prompt's tokens but the BOS averaged, then the prompts) and a condition feature, calibrate its
+   CAST threshold on those prompts (the median similarity, so about half the rows fire), and write
+   out/task_prompts.jsonl, out/features.json, out/sweep.yaml (a sweep over the SAE's top 3 features on those
+   prompts, ranked by the sweep itself on the workers), out/cast.yaml (the conditional steering spec) and
+   out/thresholds.yaml (a sweep of the condition's threshold: the quartiles of the similarities).
 """
 
 from __future__ import annotations
@@ -99,25 +102,37 @@ def main() -> int:
            "hook_layer": LAYER, "dtype": "float32", "model_name": "stories260K", "apply_b_dec_to_input": True}  # fmt: skip
     (out / "sae" / "cfg.json").write_text(json.dumps(cfg, indent=2))
     hidden = [capture(lm, p) for p in prompts]
-    acts = np.stack([np.maximum((h - sae["b_dec"]) @ sae["W_enc"] + sae["b_enc"], 0).mean(0) for h in hidden])
+    acts = np.stack([np.maximum((h[1:] - sae["b_dec"]) @ sae["W_enc"] + sae["b_enc"], 0).mean(0) for h in hidden])  # BOS left out
     top = [int(i) for i in np.argsort(-acts.mean(0))[:3]]
     selective = int(np.argmax(acts.std(0) / (acts.mean(0) + 1e-6) * (acts.mean(0) > 0)))  # on for some prompts, off for others
     sims = [cast_similarity(h, sae["W_dec"][selective]) for h in hidden]
     threshold = round(float(np.median(sims)), 4)
-    (out / "features.json").write_text(json.dumps({"sweep": top, "condition": selective, "threshold": threshold}, indent=2))
+    quartiles = [round(float(q), 4) for q in np.quantile(sims, [0.25, 0.5, 0.75])]
+    (out / "task_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    (out / "features.json").write_text(json.dumps({"top": top, "condition": selective, "threshold": threshold, "quartiles": quartiles}, indent=2))
     spec = (f"# Written by fit_sae.py: add SAE feature {top[0]} at layer {LAYER} only on prompts whose mean hidden state at\n"
             f"# layer {LAYER} lies along feature {selective} (CAST's cos(h, tanh(P h)) > {threshold}: the median on the two tasks' prompts).\n"
             f"interventions:\n  - layer: {LAYER}\n    site: resid_pre\n    vector: {{sae: sae, feature: {top[0]}}}\n    alpha: 4.0\n"
             f"    condition:\n      vector: {{sae: sae, feature: {selective}}}\n      layers: [{LAYER}]\n      threshold: {threshold}\n"
             f"      compare: greater\n      pool: mean\n")  # fmt: skip
     (out / "cast.yaml").write_text(spec)
-    sweep = (f"# Written by fit_sae.py: the {len(top)} SAE features most active on the task prompts, added at layer {LAYER}'s input.\n"
+    sweep = (f"# Written by fit_sae.py: the {len(top)} SAE features most active on the task prompts (ranked by the sweep on the\n"
+             f"# workers with the SAE's encoder), added at layer {LAYER}'s input.\n"
              f"model: {{pretrained: ../../stories260K, max_length: 256, batch_size: 16}}\n"
-             f"vectors:\n  feat: {{sae: sae, features: {top}}}\n"
+             f"vectors:\n  feat: {{sae: sae, top: {len(top)}, prompts: task_prompts.jsonl}}\n"
              f"grid: {{layers: [{LAYER}], sites: [resid_pre], ops: [add], positions: [all], alphas: [-8, -4, 4, 8]}}\n"
              f"prompts:\n  - file: ../../happy/prompts.jsonl\n    max_gen_toks: 32\n    until: [\"\\n\"]\n    target_score: sum\n")  # fmt: skip
     (out / "sweep.yaml").write_text(sweep)
-    print(f"sweep features {top}; condition feature {selective}, threshold {threshold}: wrote {out / 'cast.yaml'}")
+    thresholds = (f"# Written by fit_sae.py: feature {top[0]} added at layer {LAYER} under the condition of cast.yaml, at the quartiles of\n"
+                  f"# its similarity on the two tasks' prompts: the fire rate per threshold and task is summary.md's Condition table.\n"
+                  f"model: {{pretrained: ../../stories260K, max_length: 256, batch_size: 16}}\n"
+                  f"vectors:\n  feat: {{sae: sae, features: [{top[0]}]}}\n"
+                  f"condition: {{vector: {{sae: sae, feature: {selective}}}, layers: [{LAYER}], compare: greater, pool: mean}}\n"
+                  f"grid: {{layers: [{LAYER}], sites: [resid_pre], alphas: [4.0], thresholds: {quartiles}}}\n"
+                  f"tasks: {{names: [tinystories_mc, tinystories_gen], include_path: tasks}}\n")  # fmt: skip
+    (out / "thresholds.yaml").write_text(thresholds)
+    print(f"top features {top} (the sweep ranks them itself); condition feature {selective}, threshold {threshold}, "
+          f"quartiles {quartiles}: wrote {out / 'cast.yaml'} and {out / 'thresholds.yaml'}")
     return 0
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from ..load import LoadedModel
 from ..spec import Batching, Steering, SteeringError
+from . import pipelined
 from .generation import grid_generate
 from .loglikelihood import GRID_BLOCK, grid_loglikelihood
 from .passes import shares_lower, split_point
@@ -63,6 +64,9 @@ def run_grid(
     if any(s.conditional for s in steerings):  # its probes need every row's whole prompt, which a grid shares
         raise SteeringError("a grid of configurations cannot hold conditional steering yet: run each as its own job")
     configs, owner = distinct(steerings)
-    kernel = grid_loglikelihood if kind == "loglikelihood" else grid_generate
-    out = kernel(lm, configs, requests, batching)
+    batching = batching or Batching()
+    if pipelined.pipelines(lm, kind, requests, batching):  # a pipeline group: (configuration, batch) micro-batches
+        out = pipelined.run(lm, kind, configs, requests, batching)
+    else:
+        out = (grid_loglikelihood if kind == "loglikelihood" else grid_generate)(lm, configs, requests, batching)
     return out if len(configs) == len(owner) else [[r[o] for o in owner] for r in out]

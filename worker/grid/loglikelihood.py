@@ -11,7 +11,7 @@ from ..hooks import Rows
 from ..load import LoadedModel
 from ..score import Row, _batches, _broadcast, _families, _rows, _score_batch, loglikelihood
 from ..spec import Batching, Steering
-from .passes import _advance, _eval_caches, _injected, _installs, _kv_cache, _split_of, _upper_prefix, shares_lower
+from .passes import _advance, _eval_caches, _injected, _installs, _kv_cache, _split_of, _upper_prefix, shares_lower, splits_prompt
 
 GRID_BLOCK = 16  # most configurations sharing one lower pass (each holds its own upper prefix KV caches)
 
@@ -47,8 +47,7 @@ def grid_loglikelihood(
     """
     batching = batching or Batching()
     installs = _installs(lm, steerings)
-    splits_prompt = any(getattr(op, "positions", "all") in ("prompt", "continuation") for ins in installs for _, op in ins)
-    rows, trivial = _rows(requests, lm.max_length, split_prompt=splits_prompt)
+    rows, trivial = _rows(requests, lm.max_length, split_prompt=splits_prompt(installs))
     results: list[list[Any]] = [[trivial.get(i)] * len(installs) for i in range(len(requests))]
     if not rows:
         return results  # only empty continuations: nothing to run

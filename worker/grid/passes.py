@@ -210,6 +210,11 @@ def _installs(lm: LoadedModel, steerings: Sequence[Steering]) -> list[list[tuple
     return [hooks_for(s, lm.n_layers, hidden, heads=head_shape(lm.config)) if s else [] for s in steerings]
 
 
+def splits_prompt(installs: Sequence[list[tuple[str, Hook]]]) -> bool:
+    """Whether any configuration's hooks treat prompt and continuation positions differently (rows then split there)."""
+    return any(getattr(op, "positions", "all") in ("prompt", "continuation") for install in installs for _, op in install)
+
+
 def _split_of(install: list[tuple[str, Hook]], n_layers: int) -> int:
     return min((_point_split(name) for name, _ in install), default=n_layers)
 

@@ -2,7 +2,8 @@
 
 `check` and `layer_ranges` are pure (the driver uses them before anything loads); `ring` joins the ring;
 `worker.load.load(spec, group=..., grouping=...)` loads this rank's share (`share`, `pipeline`). On a pipeline
-group loglikelihood jobs run pipelined (issue 26): `schedule` is the plan of steps, `stages` runs it on a rank.
+group loglikelihood and generate jobs run pipelined (issue 26): `schedule` is the plan of steps, `stages` runs it
+on a rank (`decode`: generation round the ring).
 """
 
 from typing import Any

@@ -9,55 +9,60 @@ per row (DONE: the row finished; POISONED: non-finite scores), so every rank dro
 next shapes without a header or a collective. Each micro-batch computes exactly as the unsplit kernel's batch
 of the same rows does, so the last rank's texts are the unsplit model's; the other ranks return None per request.
 
+Prompts that share a prefix (few-shot families: worker.generate's) share it as on one worker: each family's
+prefix KV is computed once per rank, its layers only (found in the rank's prefix store, worker.prefix_cache, or
+computed in one pipelined run before the decode, a micro-batch per prefix: worker.split.stages); a micro-batch
+is then a decode batch of parts (worker.generate.prompt_parts), its prefill round one forward per part (the
+rows' prompts, or their suffixes after one shared prefix, read once where worker.cascade allows, else copied),
+joined into one batch on every rank as the unsplit kernel joins them.
+
 Every transfer is evaluated on its own (worker.split.stages.timed): a dead peer fails it at once ("[ring] ..."),
 a hung one is caught by the group deadline as for pipelined scoring (cluster.groups.pool).
-
-What stays on the sequential (lockstep) path, by `pipelines` and worker.jobs: prompts that share a prefix
-(their KV computed once and read by every row: worker.generate's families), conditional steering, capture and
-grid jobs.
+Conditional steering, capture and grid jobs stay on the sequential (lockstep) path (worker.jobs).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from ..generate import GenRequest, families, make_batch_cache, prompt_parts, texts
+from ..generate import GenRequest, _decode_batches, _last_logits, join_prefills, prefill_part, prompt_families, prompt_parts
+from ..generate import reads_one_prefix, texts
 from ..hooks import Rows
+from ..prefix_cache import resumed, stored
 from ..sampling import NON_FINITE, finite_flag, lookback, next_tokens, sample_keys, stopped
+from ..score import _empty_cache, _prefix_body
 from ..spec import Batching
+from . import stages
 from .pipeline import Pipe, passing
 from .schedule import Step, round_opening, round_steps
 from .stages import CLOCK, timed
 
 DONE, POISONED = -1, -2
-
-
-def pipelines(lm: Any, requests: Sequence[GenRequest], batching: Batching) -> bool:
-    """Whether this generate job runs pipelined: no prompts that would share a prefix (those stay lockstep)."""
-    return all(len(g) == 1 for g in families(requests, lm.max_length, batching.prefix_reuse))
+Part = tuple[list[GenRequest], Any, int]  # a prefill's rows, their shared prefix KV (None: none) and its length
 
 
 class _Micro:
     """One micro-batch's decoding state on this rank: the same on every rank (caches aside), plus, on the last
     rank, what the sampler needs (keys, generated ids)."""
 
-    def __init__(self, lm: Any, reqs: list[GenRequest], last: bool) -> None:
-        self.lm, self.reqs = lm, reqs
-        P = max(len(r.context) for r in reqs)
-        self.pads = [P - len(r.context) for r in reqs]
-        self.tokens = mx.array([[0] * p + list(r.context) for p, r in zip(self.pads, reqs)])
-        self.cache = make_batch_cache(lm.model, self.pads)
-        self.pos = self.prompt_end = P
-        self.live = list(range(len(reqs)))  # batch rows still generating, in cache order
-        self.rounds, self.poisoned, self.sent = 0, False, [0] * len(reqs)
+    def __init__(self, lm: Any, parts: list[Part], last: bool) -> None:
+        self.lm, self.parts, self.prefills = lm, parts, []
+        self.reqs = [r for rows, _, _ in parts for r in rows]
+        self.live = list(range(len(self.reqs)))  # batch rows still generating, in cache order
+        self.rounds, self.poisoned, self.sent = 0, False, [0] * len(self.reqs)
         if last:
-            self.keys = [None if r.greedy else sample_keys(r) for r in reqs]
-            self.lookbacks = [lookback(r.until) for r in reqs]
-            self.generated: list[list[int]] = [[] for _ in reqs]
+            self.keys = [None if r.greedy else sample_keys(r) for r in self.reqs]
+            self.lookbacks = [lookback(r.until) for r in self.reqs]
+            self.generated: list[list[int]] = [[] for _ in self.reqs]
+
+    def forwards(self) -> int:
+        """This round's forwards: the prefill's one per part, then one."""
+        return len(self.parts) if self.rounds == 0 else 1
 
     def advance(self, ids: list[int]) -> bool:
         """Take the round's ids (one per live row): drop the finished rows as the unsplit kernel does; True when
@@ -76,23 +81,29 @@ class _Micro:
         self.tokens = mx.array([[ids[j]] for j in keep])
         return not keep
 
-    def forward(self) -> mx.array:
-        """This round's lazy forward under the job's hooks (the prefill first, then one token a row)."""
-        B = len(self.live)
+    def forward(self, k: int) -> tuple[list, mx.array]:
+        """The round's k-th lazy forward under the job's hooks: (the caches it writes, the logits of each row's
+        newest token). The prefill's parts, joined after the last one as worker.generate joins them; then one
+        token a row."""
         if self.rounds == 0:
-            rows = Rows(offset=0, starts=mx.array(self.pads), ends=mx.full((B,), self.pos), prompt_ends=mx.full((B,), self.pos))
-        else:
-            rows = Rows(offset=self.pos, starts=mx.array(self.pads), ends=mx.full((B,), self.pos + 1),
-                        prompt_ends=mx.full((B,), self.prompt_end))  # fmt: skip
-            self.pos += 1
+            done = prefill_part(self.lm, *self.parts[k])
+            self.prefills.append(done)
+            if k == len(self.parts) - 1:
+                self.cache, self.pads, self.pos, self.logits = join_prefills(self.prefills, self.parts)
+                self.prompt_end, self.prefills = self.pos, []
+            return done[0], done[3]
+        B = len(self.live)
+        rows = Rows(offset=self.pos, starts=mx.array(self.pads), ends=mx.full((B,), self.pos + 1),
+                    prompt_ends=mx.full((B,), self.prompt_end))  # fmt: skip
+        self.pos += 1
         with self.lm.hooks.forward(rows):
-            h = self.lm.head.body(self.tokens, cache=self.cache)
-        return h
+            self.logits = _last_logits(self.lm, self.tokens, self.cache)
+        return self.cache, self.logits
 
-    def sample(self, h: mx.array, eos: frozenset[int]) -> list[int]:
+    def sample(self, eos: frozenset[int]) -> list[int]:
         """The last rank: each live row's next id, or DONE (EOS, a stop string, max_gen_toks) as the unsplit
         kernel decides; all POISONED when the scores are not finite."""
-        logits = self.lm.head.head(h[:, -1:, :])[:, 0, :].astype(mx.float32)
+        logits = self.logits
         y = next_tokens(logits, [self.reqs[b] for b in self.live], [self.keys[b] for b in self.live], self.rounds)
         finite = finite_flag(logits)
         timed("busy", [y, finite, [c.state for c in self.cache]])
@@ -115,7 +126,9 @@ class _Ring:
         self.lm, self.group, self.pipe = lm, lm.group, Pipe()
         self.rank, self.size = self.group.rank(), self.group.size()
         self.eos = frozenset(lm.tokenizer.eos_token_ids)
-        self.hidden: Any = None
+        self.built: int | None = None  # which of the round's forwards is built (its graph, caches and logits)
+        self.writes: list = []
+        self.logits: Any = None
 
     def round(self, m: int, micro: _Micro) -> bool:
         """Micro-batch m's next round; False once it closed."""
@@ -123,28 +136,34 @@ class _Ring:
         for step in round_opening(self.rank, self.size, m, first=first):
             micro.sent = self.recv_ids(step, len(micro.live))
         done = not first and micro.advance(micro.sent)
-        self.pipe.received = self.pipe.out = self.hidden = None
-        for step in round_steps(self.rank, self.size, m, first=first, done=done):
+        self.built = None
+        for step in round_steps(self.rank, self.size, m, first=first, done=done, forwards=micro.forwards()):
             self.step(step, micro)
         micro.rounds += 1
         return not done
 
     def step(self, step: Step, micro: _Micro) -> None:
-        if self.hidden is None and step.op in ("recv", "forward"):
-            self.hidden = micro.forward()  # the round's graph, once (a receive is built from the first block's input)
+        if self.built != step.forward and step.op in ("recv", "forward"):
+            # the forward's graph, once (a receive is built from its first block's input)
+            self.pipe.received = self.pipe.out = None
+            self.writes, self.logits = micro.forward(step.forward)
+            self.built = step.forward
         if step.op == "recv":
             timed("wait", [self.pipe.received])
         elif step.op == "forward" and self.rank < self.size - 1:
-            timed("busy", [self.pipe.out, [c.state for c in micro.cache]])
+            timed("busy", [self.pipe.out, [c.state for c in self.writes]])
+        elif step.op == "forward" and step.forward < micro.forwards() - 1:  # the last rank, a prefill's part
+            timed("busy", [self.logits, [c.state for c in self.writes]])
         elif step.op == "send":
             timed("wait", [mx.distributed.send(self.pipe.out, step.peer, group=self.group)])
         elif step.op == "sample":
-            micro.sent = micro.sample(self.hidden, self.eos)
+            micro.sent = micro.sample(self.eos)
             micro.poisoned |= POISONED in micro.sent
             CLOCK.micros += 1
         elif step.op == "send_ids":
             timed("wait", [mx.distributed.send(mx.array(micro.sent, mx.int32), step.peer, group=self.group)])
-        # "forward" on the last rank runs inside "sample" (its layers, the head and the draw in one evaluation)
+        # the round's last "forward" on the last rank runs inside "sample" (its layers, the head and the draw in
+        # one evaluation)
 
     def recv_ids(self, step: Step, rows: int) -> list[int]:
         ids = mx.distributed.recv_like(mx.zeros((rows,), mx.int32), step.peer, group=self.group)
@@ -152,15 +171,60 @@ class _Ring:
         return ids.tolist()
 
 
-def micro_rows(lm: Any, requests: Sequence[GenRequest], batch_size: int, size: int) -> tuple[list[GenRequest], list[list[int]]]:
-    """The requests truncated as the unsplit kernel does, and the micro-batches' request indices: longest prompts
-    first, at most batch_size rows each, and at least `size` micro-batches where there are that many rows."""
-    reqs, parts = prompt_parts(lm, requests, batch_size=batch_size, prefix_reuse=False)
-    rows = sum(len(idx) for _, _, idx in parts)
-    per = min(batch_size, max(1, math.ceil(rows / size)))
-    if per < batch_size:
-        reqs, parts = prompt_parts(lm, requests, batch_size=per, prefix_reuse=False)
-    return reqs, [idx for _, _, idx in parts]
+@dataclass
+class _PrefixPass:
+    """One family prefix's KV on this rank's layers, as worker.prefix_cache.prefix_kv computes it: from scratch,
+    or on from the longest stored prefix of its tokens (`found`); a micro-batch of worker.split.stages."""
+
+    lm: Any
+    tokens: tuple[int, ...]
+    found: tuple[int, list] | None
+    cache: list | None = None
+
+    def forward(self) -> mx.array:
+        if self.found is None:
+            self.cache = _empty_cache(self.lm)
+            return _prefix_body(self.lm, self.tokens, self.cache)
+        self.cache, h = resumed(self.lm, self.found[1], self.found[0], self.tokens)
+        return h
+
+    def keep(self) -> list:
+        return [c.state for c in self.cache]
+
+
+def shared_prefixes(lm: Any, prefixes: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], list | None]:
+    """Each family prefix's KV of this rank's layers (None: the model's caches cannot share one): what the prefix
+    store holds (every rank's store holds the same entries: worker.prefix_cache), the rest computed in one
+    pipelined run, a micro-batch per prefix (rank r runs one while rank r + 1 runs the one before)."""
+    ready: dict[tuple[int, ...], list | None] = {}
+    passes = []
+    shares = _empty_cache(lm) is not None
+    for tokens in map(tuple, prefixes):
+        _, found = stored(lm, tokens)
+        if found is not None and found[0] == len(tokens):
+            ready[tokens] = found[1]
+        elif shares:
+            passes.append(_PrefixPass(lm, tokens, found))
+        else:
+            ready[tokens] = None
+    if passes:
+        stages.run(lm, [stages.Micro(p.forward, keep=p.keep) for p in passes], lambda _: None)
+    ready.update((p.tokens, p.cache) for p in passes)
+    return ready
+
+
+def micro_parts(lm: Any, requests: Sequence[GenRequest], batching: Batching, size: int) -> tuple[list[GenRequest], list[list[tuple]]]:
+    """The requests truncated as the unsplit kernel does, and the micro-batches: decode batches of prompt_parts'
+    parts ((prefix KV or None, prefix length, request indices) each; the prefixes through `shared_prefixes`, then
+    stored as prefix_kv stores them), longest prompts first, at most batch_size rows each, and at least `size`
+    micro-batches where there are that many rows."""
+    reqs, families = prompt_families(lm, requests, batching.prefix_reuse)
+    rows = sum(len(idx) for _, idx in families)
+    per = min(batching.batch_size, max(1, math.ceil(rows / size)))
+    ready = shared_prefixes(lm, [reqs[idx[0]].context[:prefix] for prefix, idx in families if prefix])
+    reqs, parts = prompt_parts(lm, requests, batch_size=per, prefix_reuse=batching.prefix_reuse,
+                               compute=lambda lm, tokens, found: ready[tokens])  # fmt: skip
+    return reqs, _decode_batches(parts, per)
 
 
 def generate(lm: Any, requests: Sequence[GenRequest], batching: Batching) -> list[str | None]:
@@ -168,8 +232,10 @@ def generate(lm: Any, requests: Sequence[GenRequest], batching: Batching) -> lis
     the others None per request."""
     ring = _Ring(lm)
     last = ring.rank == ring.size - 1
-    reqs, rows = micro_rows(lm, requests, batching.batch_size, ring.size)
-    micros = [_Micro(lm, [reqs[i] for i in idx], last) for idx in rows]
+    reqs, batches = micro_parts(lm, requests, batching, ring.size)
+    if any(shared is not None for batch in batches for shared, _, _ in batch):
+        reads_one_prefix(lm)  # its one-off self-check runs lockstep forwards: before the ring, on every rank
+    micros = [_Micro(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], last) for batch in batches]
     live = list(range(len(micros)))
     with passing(lm.model, ring.pipe):
         while live:  # every live micro-batch takes its round in turn (schedule.decode_steps)
@@ -179,7 +245,7 @@ def generate(lm: Any, requests: Sequence[GenRequest], batching: Batching) -> lis
     if not last:
         return [None] * len(requests)
     out: list[list[int]] = [[] for _ in reqs]
-    for idx, micro in zip(rows, micros):
-        for i, ids in zip(idx, micro.generated):
+    for batch, micro in zip(batches, micros):
+        for i, ids in zip([i for _, _, idx in batch for i in idx], micro.generated):
             out[i] = ids
     return texts(lm, out, requests)
