@@ -32,10 +32,10 @@ if MMLU_CACHE.is_dir():
 # pytest-xdist (--dist loadfile --no-loadscope-reorder) hands a process one whole file at a time in collection
 # order, so these start first and the many short files fill the end, instead of a long file starting last.
 SLOW_FILES = [
-    "test_groups.py", "test_cluster.py", "test_cli.py", "test_sweep.py", "test_fresh_install.py", "test_rerun.py",
-    "test_nodes.py", "test_errors.py", "test_ux_phases.py", "test_ux_names.py", "test_cli_faults.py", "test_identity.py",
-    "test_steering_run.py", "test_stream.py", "test_vectors.py", "test_stage.py", "test_guards_probe_seed.py",
-    "test_guards_probe_loss.py", "test_ux_sweep.py", "test_steer_condition.py", "test_steer_ops.py",
+    "test_cli.py", "test_sweep.py", "test_groups.py", "test_nodes.py", "test_cluster.py", "test_fresh_install.py",
+    "test_steering_run.py", "test_errors.py", "test_steer_sites.py", "test_architectures.py", "test_stage.py",
+    "test_grid.py", "test_pipeline_generate.py", "test_rerun.py", "test_steer_ops.py", "test_pipeline_grid.py",
+    "test_cli_faults.py", "test_vectors.py", "test_generate_prefix.py", "test_sweep_features.py",
 ]  # fmt: skip
 
 
