@@ -28,6 +28,61 @@ if MMLU_CACHE.is_dir():
     shutil.copytree(MMLU_CACHE, _cache / MMLU_CACHE.name)
 
 
+# The files that take longest, longest first (seconds summed over their tests, the suite's --durations on this box):
+# pytest-xdist (--dist loadfile --no-loadscope-reorder) hands a process one whole file at a time in collection
+# order, so these start first and the many short files fill the end, instead of a long file starting last.
+SLOW_FILES = [
+    "test_cli.py", "test_sweep.py", "test_groups.py", "test_nodes.py", "test_cluster.py", "test_fresh_install.py",
+    "test_steering_run.py", "test_errors.py", "test_steer_sites.py", "test_architectures.py", "test_stage.py",
+    "test_grid.py", "test_pipeline_generate.py", "test_rerun.py", "test_steer_ops.py", "test_pipeline_grid.py",
+    "test_cli_faults.py", "test_vectors.py", "test_generate_prefix.py", "test_sweep_features.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    """The slow files first (SLOW_FILES' order), then the others in their own order; tests keep theirs in a file."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+NO_TORCH = Path(__file__).resolve().parents[1] / "testbed" / "notorch"  # its sitecustomize hides PyTorch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_without_torch():
+    """Every process the tests start (Ray's workers, `driver` subprocesses, ring ranks) runs without PyTorch, as on a
+    user's install, where torch is absent (a test extra: lm-eval's hf oracle, which runs in this process). Else
+    transformers imports it in each: a Ray worker's start took 4.4 s of CPU with it, 1.9 s without. Set in the process
+    that runs the tests (a fixture), never in pytest-xdist's controller, whose worker processes need torch."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(NO_TORCH), *([before] if before else [])])
+    yield
+    os.environ.pop("PYTHONPATH") if before is None else os.environ.__setitem__("PYTHONPATH", before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _lm_eval_index_once():
+    """lm-eval's index of its own task YAMLs (~14,000 of them, 6 s of CPU), which every TaskManager builds (every
+    `driver run`, in-process here), is built once per process; the include paths are indexed each time, as lm-eval
+    does. Its entries are never changed after the build (a task is made from its YAML file, read again, or from a
+    deep copy of the entry's config), so one index serves every TaskManager."""
+    from lm_eval.tasks import _index
+
+    real, builtin, memo = _index.TaskIndex.build, Path(_index.__file__).parent, {}
+
+    def build(paths, *, resolve_includes=True):
+        paths = list(paths)
+        if not paths or Path(paths[0]) != builtin:
+            return real(paths, resolve_includes=resolve_includes)
+        if resolve_includes not in memo:
+            memo[resolve_includes] = real(paths[:1], resolve_includes=resolve_includes)
+        return {**memo[resolve_includes], **real(paths[1:], resolve_includes=resolve_includes)}  # later paths win
+
+    _index.TaskIndex.build = staticmethod(build)
+    yield
+    _index.TaskIndex.build = staticmethod(real)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _remove_datasets_cache():
     yield

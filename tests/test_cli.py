@@ -178,28 +178,6 @@ def test_run_summaries_report_the_prefix_stores(capsys):
 # --- what a user meets in a real run: real subprocesses on an embedded Ray (issue 15) ------------------------------
 
 NOISE = ("PyTorch was not found", "aggregation is not", "higher_is_better is not", "fatal:", "1 workers", "Traceback")
-# Hides PyTorch from transformers, as on a fresh install without the test extras (imported first via PYTHONPATH).
-NO_TORCH = '''
-import sys
-from importlib.machinery import PathFinder
-
-
-class NoTorch:
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        return None if name == "torch" or name.startswith("torch.") else PathFinder.find_spec(name, path, target)
-
-    @classmethod
-    def invalidate_caches(cls):
-        PathFinder.invalidate_caches()
-
-    @classmethod
-    def find_distributions(cls, *args, **kwargs):
-        return PathFinder.find_distributions(*args, **kwargs)
-
-
-sys.meta_path[:] = [NoTorch if f is PathFinder else f for f in sys.meta_path]
-'''
 
 
 def driver_env(tmp_path, hide_torch: bool = False) -> dict:
@@ -207,10 +185,10 @@ def driver_env(tmp_path, hide_torch: bool = False) -> dict:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "PYTEST_"))}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0")
-    if hide_torch:
-        (tmp_path / "site").mkdir(exist_ok=True)
-        (tmp_path / "site" / "sitecustomize.py").write_text(NO_TORCH)
-        env["PYTHONPATH"] = str(tmp_path / "site")
+    if hide_torch:  # as on a fresh install without the test extras (conftest hides it from every child anyway)
+        from conftest import NO_TORCH
+
+        env["PYTHONPATH"] = str(NO_TORCH)
     return env
 
 
@@ -399,8 +377,9 @@ def test_sigterm_stops_a_run_like_ctrl_c(llama_path, tasks_dir, tmp_path, comman
     assert proc.returncode == 130, err[-3000:]
     assert lines[-1].startswith(f"interrupted: finished requests are cached in {tmp_path / 'out' / 'cache'}"), err[-3000:]
     assert "SIGTERM received" not in err and "Aborted" not in err and "Traceback" not in err, err[-3000:]
-    time.sleep(3)
-    left = [p.pid for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or ())]
+    from testbed.waiting import until_empty
+
+    left = until_empty(lambda: [p.pid for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or ())])
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert not left, f"Ray processes left running: {left}"
 

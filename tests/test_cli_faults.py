@@ -14,6 +14,8 @@ import time
 import psutil
 import pytest
 
+from testbed.waiting import until_empty
+
 from test_cli import _close, _story_args, _story_samples, driver_env
 
 pytestmark = pytest.mark.slow
@@ -42,9 +44,9 @@ def _cached(db_path) -> int:
         return 0
 
 
-def _kill_a_rank_once_results_arrive(proc: subprocess.Popen, db_path, seconds: float = 300) -> tuple[int, list]:
+def _kill_a_rank_once_results_arrive(proc: subprocess.Popen, db_path, stderr, seconds: float = 300) -> tuple[int, list]:
     """SIGKILL one rank once the first chunk is cached (lm-eval's later request kinds are still to run):
-    (rows cached when it was killed, every process of the run seen then)."""
+    (rows cached when it was killed, every process of the run seen then). Else fail with the run's stderr."""
     deadline = time.monotonic() + seconds
     while proc.poll() is None and time.monotonic() < deadline:
         rows, ranks = _cached(db_path), _ranks(proc)
@@ -53,7 +55,7 @@ def _kill_a_rank_once_results_arrive(proc: subprocess.Popen, db_path, seconds: f
             max(ranks, key=lambda p: p.pid).send_signal(signal.SIGKILL)
             return rows, seen
         time.sleep(0.01)
-    pytest.fail(f"no rank killed: the run ended (exit {proc.poll()}) or sent nothing within {seconds:g} s")
+    pytest.fail(f"no rank killed: the run ended (exit {proc.poll()}) or sent nothing within {seconds:g} s:\n{stderr.read_text()[-3000:]}")
 
 
 def _watch(proc: subprocess.Popen, seconds: float) -> list[psutil.Process]:
@@ -88,7 +90,7 @@ def test_a_rank_killed_mid_run_on_the_local_cluster_loses_one_group_and_the_numb
     with open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=driver_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err)
         try:
-            rows, seen = _kill_a_rank_once_results_arrive(proc, out / "cache" / "results.sqlite")
+            rows, seen = _kill_a_rank_once_results_arrive(proc, out / "cache" / "results.sqlite", tmp_path / "stderr")
             seen += _watch(proc, 300)
         finally:
             proc.kill()
@@ -106,5 +108,5 @@ def test_a_rank_killed_mid_run_on_the_local_cluster_loses_one_group_and_the_numb
     assert {t: sorted(s) for t, s in grouped.items()} == {t: sorted(s) for t, s in story_plain.items()}
     different = [(t, d) for t in story_plain for d in story_plain[t] if not _close(story_plain[t][d], grouped[t][d], 1e-5)]
     assert not different, [(t, d, story_plain[t][d], grouped[t][d]) for t, d in different[:3]]
-    time.sleep(1.0)
-    assert not _left(seen), _left(seen)  # the local Ray, its ranks and any re-formed ones: all ended with the run
+    left = until_empty(lambda: _left(seen))
+    assert not left, left  # the local Ray, its ranks and any re-formed ones: all ended with the run

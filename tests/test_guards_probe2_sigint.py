@@ -18,6 +18,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from testbed.waiting import until_empty
+
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading, time
     from pathlib import Path
@@ -62,16 +64,13 @@ def _ray_processes(tmp: Path) -> list[str]:
 def test_a_ctrl_c_while_ray_starts_leaves_nothing_of_it(tmp_path):
     tmp = Path(f"/tmp/orchard-sigint-{os.getpid()}")  # short: Ray's socket paths must stay under 107 bytes
     tmp.mkdir(exist_ok=True)
-    env = {**os.environ, "RAY_TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "RAY_TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), *sys.path]))}
     env = {k: v for k, v in env.items() if not k.startswith(("RAY_ADDRESS", "PYTEST_"))}
     try:
         proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 130, proc.stdout + proc.stderr
         assert "interrupted; ray initialized: False" in proc.stdout and "logging still works" in proc.stderr
-        deadline = time.monotonic() + 1.0  # a process Ray has just signalled may take a moment to go
-        while _ray_processes(tmp) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _ray_processes(tmp) == []
+        assert until_empty(lambda: _ray_processes(tmp)) == []  # a process Ray has just signalled may take a moment to go
     finally:  # a failed run's leftovers: this test's own processes, found by its own folder, killed by id
         for pid in _ray_pids(tmp):
             os.kill(pid, signal.SIGKILL)

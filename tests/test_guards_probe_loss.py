@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
 
 from cluster import ClusterError  # noqa: E402
+from testbed.waiting import until_empty  # noqa: E402
 from test_groups import MC, Slow, _kill_when_running, _victim, alive_ranks, evaluate, free_units, grouped, open_lm, tasks, within  # noqa: E402,F401
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
@@ -45,4 +46,4 @@ def test_one_group_lost_with_no_restart_says_one_true_line(ray_cluster, llama_pa
     assert "(raylet)" not in out and "worker died" not in out, out  # issue 29.1: stdout holds results only
     assert "goes on with the other groups" not in err, err
     assert "[ring]" not in err and "Unhandled error" not in err and "Traceback" not in err, err
-    assert not alive_ranks() and free_units() == 4
+    assert not until_empty(alive_ranks) and free_units() == 4

@@ -1,7 +1,7 @@
 """Forming N worker groups of K ranks: count the `mlx` units, place each group (a placement group of K bundles,
 STRICT_SPREAD so its ranks sit on distinct nodes; packed where one node offers every unit, as the embedded local
-Ray does), ask every rank for its ring address, hand all of a group's ranks the same hostfile and let them join
-and load concurrently, within a bounded wait. A failure is one ClusterError line naming the group, rank and node;
+Ray does), wait for Ray to start every rank's process, ask every rank for its ring address, hand all of a group's
+ranks the same hostfile and let them join and load concurrently, each step within its bounded wait. A failure is one ClusterError line naming the group, rank and node;
 every actor and placement group made is then released."""
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from .rank import GroupRank
 JOIN_TIMEOUT = 30.0  # s for every rank of a group to join its ring
 FORM_TIMEOUT = 900.0  # s for a group to join and load its shares (a large model from disk)
 PLACE_TIMEOUT = 30.0  # s for a group's units to be free
-ADDRESS_TIMEOUT = 60.0  # s for every rank of a group to start and give its ring address
-ADDRESS = "give its ring address"
+# s for Ray to start every rank's process: a fresh Python importing MLX, mlx-lm and transformers takes seconds on an
+# idle Mac and minutes on a machine busy with other work (a process that fails to start is Ray's error at once)
+START_TIMEOUT = 600.0
+ADDRESS_TIMEOUT = 60.0  # s for every started rank to give its ring address (its process is up: no start in it)
+START, ADDRESS = "start", "give its ring address"
 
 
 @dataclass
@@ -128,6 +131,11 @@ def place_ranks(cls: type, spec: ModelSpec, batching: Batching, g: int, size: in
     return place(cls, size, spec, batching, max_restarts=0, threads=threads, per_worker=per, placement=pg)
 
 
+def started(ranks: list) -> list:
+    """A ref per rank that lands once Ray has started its process (the constructor ran)."""
+    return [a.__ray_ready__.remote() for a in ranks]
+
+
 def launch(spec: ModelSpec, batching: Batching, n: int, grouping: Grouping, *, actor_cls: type = GroupRank,
            threads: int | None = None, join_timeout: float = JOIN_TIMEOUT) -> tuple[Formed, list[list]]:  # fmt: skip
     """Place N groups of `grouping.size` ranks and start each rank joining its ring and loading its share while
@@ -137,6 +145,7 @@ def launch(spec: ModelSpec, batching: Batching, n: int, grouping: Grouping, *, a
         for g in range(n):
             formed.placements.append(_placement(grouping.size, how, g, PLACE_TIMEOUT))
             formed.ranks.append(place_ranks(actor_cls, spec, batching, g, grouping.size, formed.placements[-1], threads))
+        _gather(formed, [started(ranks) for ranks in formed.ranks], START, START_TIMEOUT)
         hostfiles = _gather(formed, [[a.address.remote() for a in ranks] for ranks in formed.ranks], ADDRESS, ADDRESS_TIMEOUT)
         refs = [[a.form.remote(hosts, grouping, join_timeout) for a in ranks] for ranks, hosts in zip(formed.ranks, hostfiles)]
     except BaseException:

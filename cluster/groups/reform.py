@@ -16,12 +16,13 @@ from worker.spec import Batching, Grouping, ModelSpec
 
 from ..connect import ClusterError
 from ..place import RESOURCE
-from .form import ADDRESS, ADDRESS_TIMEOUT, FORM_TIMEOUT, JOIN_TIMEOUT, PLACE_TIMEOUT, _failure, _where, joining, place_ranks, unplaced
+from .form import (ADDRESS, ADDRESS_TIMEOUT, FORM_TIMEOUT, JOIN_TIMEOUT, PLACE_TIMEOUT, START, START_TIMEOUT, _failure, _where,
+                   joining, place_ranks, started, unplaced)
 from .rank import GroupRank
 
 
 def _timeouts() -> dict[str, float]:
-    return {"place": PLACE_TIMEOUT, "address": ADDRESS_TIMEOUT, "form": FORM_TIMEOUT}
+    return {"place": PLACE_TIMEOUT, "start": START_TIMEOUT, "address": ADDRESS_TIMEOUT, "form": FORM_TIMEOUT}
 
 
 @dataclass
@@ -38,12 +39,13 @@ class Recipe:
     join_timeout: float = JOIN_TIMEOUT
     actors: list = field(default_factory=list)
     placements: list = field(default_factory=list)
-    timeouts: dict[str, float] = field(default_factory=_timeouts)  # s per step: place, address, form
+    timeouts: dict[str, float] = field(default_factory=_timeouts)  # s per step: place, start, address, form
 
 
 class Reform:
-    """Slot g formed again, step by step: "place" (its units free), "address" (every rank's ring address), "form"
-    (every rank joined the ring and loaded its share). `pending`: the step's refs not landed yet."""
+    """Slot g formed again, step by step: "place" (its units free), "start" (Ray started every rank's process),
+    "address" (every rank's ring address), "form" (every rank joined the ring and loaded its share). `pending`: the
+    step's refs not landed yet."""
 
     def __init__(self, recipe: Recipe, g: int, formation: int) -> None:
         from ray.util.placement_group import placement_group
@@ -79,6 +81,8 @@ class Reform:
         if self.step == "place":
             self.ranks = place_ranks(r.actor_cls, r.spec, r.batching, self.g, r.grouping.size, self.pg, r.threads, self.formation)
             r.actors.extend(self.ranks)
+            self._step("start", started(self.ranks))
+        elif self.step == "start":
             self._step("address", [a.address.remote() for a in self.ranks])
         elif self.step == "address":
             hosts = ray.get(self.refs)
@@ -88,7 +92,7 @@ class Reform:
         return None
 
     def _doing(self) -> str:
-        return ADDRESS if self.step == "address" else joining(self.recipe.spec)
+        return {"start": START, "address": ADDRESS}.get(self.step) or joining(self.recipe.spec)
 
     def _failed(self, ref: Any, error: BaseException) -> str:
         if self.step == "place":
