@@ -9,9 +9,15 @@ loglikelihood requests from ../shared/data/mmlu, synthetic when absent), through
 a job. Rows, each against the anchor measured in this process, interleaved (ABC BCA ...), best of --repeat:
 
   loglikelihood   one add at the middle layer (anchor); the same add with a condition at the layer below
-                  (target <= 1.1x); and, for scale, the unconditional add with prefix sharing off (a conditional
-                  job turns it off: every row's whole prompt must pass the condition's layers).
-  generate        greedy generation of --gen-tokens tokens on the first --gen-prompts contexts: the same pair.
+                  (target <= 1.1x); and, for scale, the unconditional add with prefix sharing off (what a
+                  conditional job cost before it shared its prefixes per decision: worker.hooks.condition_share).
+                  With --interventions 2, a second add at the layer above, conditioned at the middle layer, joins
+                  each variant (a conditional job then runs each shared prefix 4 times: one per combination).
+  generate        greedy generation of --gen-tokens tokens on the first --gen-prompts contexts: the same rows.
+
+The worker's prefix store (worker.prefix_cache) is emptied before every timed run: generation keeps unconditional
+prefixes there across jobs, which would time the anchor's repeats on stored prefixes (conditional ones are not
+stored: their prefix passes also give the probes' sums).
   CSV             an lm-eval steered CSV (an sae-lens SAE's feature, `add`) vs the same direction as a .npy spec,
                   the driver's reading of the file included (target <= 1.05x).
 
@@ -34,25 +40,30 @@ bw = bs.bw
 CONDITION_TARGET = 1.1
 
 
-def steerings(lm):
+def steerings(lm, count: int = 1):
+    """(unconditional, conditional): `count` adds at the middle layer and up, each conditioned at the layer below."""
     import numpy as np
 
     from worker.spec import Condition, Gate, Intervention, Steering
 
     rng = np.random.default_rng(0)
     hidden, layer = lm.model.args.hidden_size, lm.n_layers // 2
-    v = tuple(float(x) for x in rng.standard_normal(hidden) / np.sqrt(hidden))
-    c = tuple(float(x) for x in rng.standard_normal(hidden))
-    plain = Steering(interventions=(Intervention(layer=layer, vector=v, alpha=2.0),))
-    gate = Gate(conditions=(Condition(vector=c, layers=(layer - 1,), threshold=0.0),))
-    return plain, Steering(interventions=(Intervention(layer=layer, vector=v, alpha=2.0, condition=gate),))
+    plain, conditional = [], []
+    for at in range(layer, layer + count):
+        v = tuple(float(x) for x in rng.standard_normal(hidden) / np.sqrt(hidden))
+        c = tuple(float(x) for x in rng.standard_normal(hidden))
+        gate = Gate(conditions=(Condition(vector=c, layers=(at - 1,), threshold=0.0),))
+        plain.append(Intervention(layer=at, vector=v, alpha=2.0))
+        conditional.append(Intervention(layer=at, vector=v, alpha=2.0, condition=gate))
+    return Steering(interventions=tuple(plain)), Steering(interventions=tuple(conditional))
 
 
-def part(kind: str, lm, batching, requests, warm, repeats: int) -> None:
+def part(kind: str, lm, batching, requests, warm, repeats: int, count: int = 1) -> None:
     from worker.jobs import run
+    from worker.prefix_cache import store
     from worker.spec import Job
 
-    plain, conditional = steerings(lm)
+    plain, conditional = steerings(lm, count)
     variants = {
         "add, unconditional (anchor)": (Job(kind=kind, steering=plain), batching, None),
         "add if cos>0 (conditional)": (Job(kind=kind, steering=conditional), batching, CONDITION_TARGET),
@@ -60,10 +71,14 @@ def part(kind: str, lm, batching, requests, warm, repeats: int) -> None:
     }
     for job, b, _ in variants.values():
         run(lm, job, warm, b)
-    times, out = bs.interleave({name: (lambda j=job, b=b: run(lm, j, requests, b)) for name, (job, b, _) in variants.items()}, repeats)
+    def timed(job, b):
+        store(lm).clear()
+        return run(lm, job, requests, b)
+
+    times, out = bs.interleave({name: (lambda j=job, b=b: timed(j, b)) for name, (job, b, _) in variants.items()}, repeats)
     fired = sum(r[-1] for r in out["add if cos>0 (conditional)"])
     rows = [{"name": name, "times": times[name], "n": len(requests), "target": target} for name, (_, _, target) in variants.items()]
-    bs.table(f"{kind}: {len(requests)} requests, conditional fired on {fired}; best of {repeats}", "req", rows)
+    bs.table(f"{kind}: {len(requests)} requests, {count} add(s), conditional fired on {fired}; best of {repeats}", "req", rows)
 
 
 def write_csv_and_spec(folder: Path, hidden: int, layer: int) -> tuple[Path, Path]:
@@ -116,6 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--gen-prompts", type=int, default=32)
     p.add_argument("--gen-tokens", type=int, default=16)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--interventions", type=int, default=1, choices=(1, 2))
     args = p.parse_args(argv)
     import mlx.core as mx
 
@@ -134,10 +150,10 @@ def main(argv=None) -> int:
         pairs, warm_pairs, lens = bs.mmlu_requests(orchard, data, args.shots)
         print(f"requests: {source}; {args.shots}-shot, {len(pairs)} loglikelihood requests, tokens median {lens[len(lens) // 2]}")
         lm, batching = orchard.executor.lm, orchard.batching
-        part("loglikelihood", lm, batching, pairs, warm_pairs, args.repeat)
+        part("loglikelihood", lm, batching, pairs, warm_pairs, args.repeat, args.interventions)
         contexts = list(dict.fromkeys(c for c, _ in pairs))
         gen = [GenRequest(context=c, max_gen_toks=args.gen_tokens) for c in contexts[: args.gen_prompts]]
-        part("generate", lm, batching, gen, gen[:4], args.repeat)
+        part("generate", lm, batching, gen, gen[:4], args.repeat, args.interventions)
         part_csv(lm, batching, cfg, pairs, Path(tmp), args.repeat)
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f}s; load average now {os.getloadavg()[0]:.2f}")
     return 0

@@ -214,16 +214,31 @@ def test_bad_conditions_are_refused_in_one_line_before_any_worker(tmp_path, spec
     assert not (tmp_path / "out").exists()
 
 
-def test_a_worker_group_is_refused_before_ray(tmp_path, spec_files, story_tasks):
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_pipeline_group_fires_and_scores_as_a_single_worker(tmp_path, spec_files, sims, story_tasks):
+    """The condition layer on rank 0, the steered layer on rank 1 (stories: layers 0-2 | 3-4): the group's results
+    JSON holds the single worker's numbers and fire counts (its last rank answers, the decisions relayed to it)."""
+    import json
+
     import yaml
 
     from testbed import inproc
     from testbed.stories import MODEL
 
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec_files[1](0.1)))
-    proc = inproc.driver("run", "--model", MODEL, "--tasks", "tinystories_mc", "--include-path", story_tasks, "--steer", tmp_path / "spec.yaml", "--group-size", "2",
-                         "--workers", "1", "--address", "local", cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 2 and "conditional steering runs on single workers only" in proc.stderr.splitlines()[-1], proc.stderr
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec_files[1](float(np.median(sims)))))
+    out = {}
+    for name, flags in (("single", ()), ("group", ("--group-size", "2", "--split", "pipeline"))):
+        proc = inproc.driver("run", "--model", MODEL, "--tasks", "tinystories_mc,tinystories_gen", "--include-path", story_tasks,
+                             "--workers", "1", *flags, "--limit", "8", "--steer", tmp_path / "spec.yaml", "--output-path", tmp_path / name,
+                             "--address", inproc.session_address(), cwd=tmp_path)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[name] = json.loads(next((tmp_path / name).rglob("results_*.json")).read_text())
+    fired = out["group"]["orchard_fired"]
+    assert fired == out["single"]["orchard_fired"] and 0 < sum(f["fired"] for f in fired.values()) < sum(f["rows"] for f in fired.values())
+    for task, metrics in out["single"]["results"].items():
+        for key, value in metrics.items():
+            if isinstance(value, float):
+                assert abs(out["group"]["results"][task][key] - value) <= 1e-4, (task, key)
 
 
 SHOTS = ("Once upon a time, a little cat named Tom lived in a big red house. He liked to play with a ball of yarn "

@@ -435,10 +435,22 @@ def test_a_bad_condition_or_threshold_is_refused_in_one_line_before_the_cluster(
     assert "127.0.0.1:1" not in output and not (tmp_path / "out" / "run.json").exists()
 
 
-def test_a_conditional_sweep_on_worker_groups_is_refused_before_ray(tmp_path, story_tasks, ray_disconnected):
-    sweep = cast_study(tmp_path / "study", story_tasks, "[0.1]")
-    code, output = sweep_cli(sweep, "--group-size", 2, "--workers", 1, "--address", "local", "--output", tmp_path / "out")
-    assert code == 2 and "conditional steering runs on single workers only" in output and len(output.strip().splitlines()) == 1, output
+def test_a_conditional_sweep_on_a_pipeline_group_equals_one_worker(ray_cluster, tmp_path, story_tasks, story_sims):
+    """The condition layer on rank 0, the steered layer on rank 1 (stories: layers 0-2 | 3-4): every row of
+    results.csv, fire rates included, as one unsplit worker gives it (the decisions relayed between the ranks)."""
+    from driver.sweep import report
+    from testbed import inproc
+
+    _, t = story_sims
+    rows = {}
+    for name, flags in (("single", ()), ("group", ("--group-size", 2, "--split", "pipeline"))):
+        sweep = cast_study(tmp_path / name, story_tasks, f"[{t}]")
+        code, output = sweep_cli(sweep, "--workers", 1, *flags, "--output", tmp_path / name / "out", "--address", inproc.session_address())
+        assert code == 0, output
+        rows[name] = {(r["config"], r["task"], r["metric"]): r["value"] for r in report.read_csv(tmp_path / name / "out" / "results.csv")}
+    assert rows["group"].keys() == rows["single"].keys() and any(metric == "fired" for _, _, metric in rows["single"])
+    for key, value in rows["single"].items():
+        assert rows["group"][key] == (pytest.approx(value, abs=1e-4) if isinstance(value, float) else value), key
 
 
 def test_a_threshold_sweep_draws_a_panel_per_threshold():

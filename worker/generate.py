@@ -21,6 +21,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from . import cascade
 from .hooks import Rows, decoder_layers
+from .hooks.condition_share import ChosenCache, SharedPrefix
 from .prefix_cache import merged, own_prefixes, prefix_kv
 from .sampling import check_finite, finite_flag, lookback, next_tokens, sample_keys, stop_at, stopped
 from .score import MAX_PADDING, MIN_ROWS, Row, _broadcast, _families
@@ -235,6 +236,9 @@ def shared_batch_cache(prefix_cache: list[Any], batch: int) -> list[Any]:
     """BatchKVCaches that start with the prefix's keys and values broadcast to every row (no left padding)."""
     out = []
     for kv in _broadcast(prefix_cache, batch):
+        if isinstance(kv, ChosenCache):  # conditional steering: each row's pick, made when the layer first reads it
+            out.append(kv.chosen.batched(batch))
+            continue
         c = BatchKVCache([0] * batch)
         c.keys, c.values, c._idx = kv.keys, kv.values, kv.offset
         c.offset = c.offset + kv.offset
@@ -248,7 +252,11 @@ def reads_one_prefix(lm: Any) -> bool:
 
 
 def _prefill_suffixes(lm: Any, reqs: list[GenRequest], prefix_cache: list[Any], prefix: int) -> tuple[list[Any], list[int], int, mx.array]:
-    """A family's suffixes on one copy of the prefix KV (worker.cascade) where the model allows, else copied."""
+    """A family's suffixes on one copy of the prefix KV (worker.cascade) where the model allows, else copied; under
+    conditional steering each row on the copy its decisions pick (worker.hooks.condition_share)."""
+    if isinstance(prefix_cache, SharedPrefix):
+        with prefix_cache.continued():
+            return _prefill_copied(lm, reqs, prefix_cache, prefix)
     if reads_one_prefix(lm):
         return cascade.prefill(lm, reqs, prefix_cache, prefix)
     return _prefill_copied(lm, reqs, prefix_cache, prefix)
@@ -288,7 +296,7 @@ def _prefill_last(lm: Any, reqs: list[GenRequest], cache: list[Any]) -> tuple[li
 def _merged_prefill(lm: Any, parts: list[tuple[list[GenRequest], Any, int]], configs: list[int] | None) -> tuple[list[Any], list[int], int, mx.array]:
     """Each part prefilled on its own (with its shared prefix, if any), then the caches joined row-wise into one
     left-padded batch (mlx-lm's BatchKVCache.extend right-aligns them); the same return values as `_prefill`."""
-    if len(parts) > 1 and all(len(r) == 1 and s is not None and len(r[0].context) == p + 1 for r, s, p in parts):
+    if len(parts) > 1 and all(len(r) == 1 and s is not None and not isinstance(s, SharedPrefix) and len(r[0].context) == p + 1 for r, s, p in parts):
         rows, own = [r[0] for r, _, _ in parts], [s for _, s, _ in parts]
         held = cascade.stored_rows([r.context for r in rows], own) if reads_one_prefix(lm) else merged(own)
         with lm.hooks.rows_under(configs):

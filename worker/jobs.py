@@ -40,33 +40,38 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
         return run_grid(lm, job.kind, job.grid, requests, batching)
     notes: list[str] = []
     fired: dict[int, bool] | None = {} if job.steering.conditional else None
-    if fired is not None and job.kind != "loglikelihood":  # each row decided on its whole prompt; loglikelihood
-        # shares a prefix plain and steered, each row picking its own (worker.hooks.condition_share)
-        batching = batching.model_copy(update={"prefix_reuse": False})
     with steered(lm, job.steering, notes, fired):
         # Pipelined across a pipeline group (issue 26): loglikelihood (rolling too: the driver sends its windows as
-        # loglikelihood pairs) and generate, steered or not, prefix families included; capture (its rows ride
-        # forward); grid jobs of every kind (worker.grid, above: generation on prompts sharing a prefix too); the
-        # last rank answers. Nothing stays lockstep (every stage after the other, an all_gather per forward) on a
-        # pipeline group but conditional generate, which groups refuse for now (worker.steer); tensor groups run
-        # every kind lockstep.
+        # loglikelihood pairs) and generate, steered or not, conditional or not, prefix families included; capture
+        # (its rows ride forward); grid jobs of every kind (worker.grid, above: generation on prompts sharing a prefix
+        # too); the last rank answers. A conditional decision made on one rank travels with the hidden state to the
+        # next (worker.split.pipeline). Nothing stays lockstep (every stage after the other, an all_gather per
+        # forward) on a pipeline group; tensor groups run every kind lockstep.
         if job.kind == "loglikelihood":
             out = (pipelined_loglikelihood if pipelined(lm) else loglikelihood)(lm, requests, batching)
-        elif job.kind == "generate" and fired is not None:
-            out = conditional_generate(lm, requests, batching.batch_size)
         elif job.kind == "generate" and pipelined(lm):
             out = pipelined_decode.generate(lm, requests, batching)
+        elif job.kind == "generate" and fired is not None:
+            out = conditional_generate(lm, requests, batching)
         elif job.kind == "generate":
             out = generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
         else:
             out = (pipelined_capture if pipelined(lm) else capture)(lm, requests, job.points, batching)
     if fired is not None and job.kind != "capture":  # each result says whether its row was steered
-        out = [[*r, fired.get(i, False)] if job.kind == "loglikelihood" else [r, fired.get(i, False)] for i, r in enumerate(out)]
+        out = [_with_fired(job.kind, r, fired.get(i, False)) for i, r in enumerate(out)]
     return Results(out, notes)
 
 
-def conditional_generate(lm: LoadedModel, requests: Sequence[Any], batch_size: int) -> list[str]:
+def _with_fired(kind: str, result: Any, fired: bool) -> Any:
+    """A conditional job's result and whether its row fired; None (a pipeline rank that does not answer) stays."""
+    if result is None:
+        return None
+    return [*result, fired] if kind == "loglikelihood" else [result, fired]
+
+
+def conditional_generate(lm: LoadedModel, requests: Sequence[Any], batching: Batching) -> list[str]:
     """generate, each row run under "configuration" = its request index: conditional steering keeps each row's
-    decision by it for the decode steps (worker.hooks.condition)."""
-    reqs, parts = prompt_parts(lm, requests, batch_size=batch_size, prefix_reuse=False)
-    return texts(lm, decode(lm, reqs, parts, batch_size, configs=range(len(reqs))), requests)
+    decision by it for the decode steps (worker.hooks.condition); prompt prefixes shared per combination of
+    decisions (worker.hooks.condition_share)."""
+    reqs, parts = prompt_parts(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
+    return texts(lm, decode(lm, reqs, parts, batching.batch_size, configs=range(len(reqs))), requests)

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from .hooks import Rows
-from .score import MIN_SHARED_PREFIX, _prefix_cache
+from .score import MIN_SHARED_PREFIX, _family_cache, _prefix_cache
 from .spec import Batching
 
 DEFAULT_BUDGET = Batching.model_fields["prefix_cache_mb"].default << 20  # bytes of stored prefix KV per model (worker)
@@ -202,12 +202,14 @@ def prefix_kv(lm: Any, tokens: Sequence[int], compute: Callable | None = None) -
     `compute(lm, tokens, found)` computes an entry the store lacks, `found` the (length, cache) of its longest
     stored prefix or None (worker.grid's configurations of one split: the lower layers from their shared
     unsteered entry); by default the rest of the tokens run through the whole model under the installed hooks.
-    With the store off for these hooks, `compute(lm, tokens, None)` computes it (if given)."""
+    With the store off for these hooks, `compute(lm, tokens, None)` computes it (if given); by default then, under
+    conditional steering (whose hooks turn the store off), a prefix per combination of decisions
+    (worker.hooks.condition_share.SharedPrefix)."""
     tokens = tuple(tokens)
     s = store(lm)
     fp, found = stored(lm, tokens)
     if fp is None:
-        return compute(lm, tokens, None) if compute is not None else _prefix_cache(lm, tokens)
+        return compute(lm, tokens, None) if compute is not None else _family_cache(lm, tokens)
     count(lm, found, len(tokens))
     if found is not None and found[0] == len(tokens):
         return found[1]

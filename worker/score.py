@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
 from .hooks import Rows
-from .hooks.condition_share import conditional_gates, shared_prefix
+from .hooks.condition_share import SharedPrefix, broadcast_kv, conditional_gates, shareable, shared_prefix
 from .spec import Batching
 from .split import stages
 
@@ -194,29 +196,19 @@ def _prefix_cache(lm, tokens: Sequence[int]) -> list | None:
     return cache
 
 
-def _family_cache(lm, tokens: Sequence[int]) -> list | None:
-    """The family's shared prefix cache; for conditional steering, plain and steered per row (None: no sharing)."""
+def _family_cache(lm, tokens: Sequence[int]) -> list | SharedPrefix | None:
+    """The family's shared prefix cache; under conditional steering one per combination of decisions, each row
+    reading its own (worker.hooks.condition_share). None: no sharing."""
     gates = conditional_gates(lm.hooks)
     if not gates:
         return _prefix_cache(lm, tokens)
-    return shared_prefix(gates[0], lambda: _prefix_cache(lm, tokens)) if len(gates) == 1 else None
+    return shared_prefix(gates, lambda: _prefix_cache(lm, tokens))
 
 
-def _broadcast(prefix_cache: list, batch: int) -> list:
-    from mlx_lm.models.cache import KVCache
-
-    out = []
-    for c in prefix_cache:
-        if hasattr(c, "broadcast"):  # a conditional job's prefix, picked per row (worker.hooks.condition_share)
-            out.append(c.broadcast(batch))
-            continue
-        k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
-        fresh = KVCache()
-        fresh.keys = mx.broadcast_to(k, (batch, *k.shape[1:]))
-        fresh.values = mx.broadcast_to(v, (batch, *v.shape[1:]))
-        fresh.offset = c.offset
-        out.append(fresh)
-    return out
+def _broadcast(prefix_cache: list | SharedPrefix, batch: int) -> list:
+    if isinstance(prefix_cache, SharedPrefix):  # a conditional job's prefix, picked per row
+        return prefix_cache.broadcast(batch)
+    return [broadcast_kv(c, batch) for c in prefix_cache]
 
 
 def _body_batch(lm, batch: list[Row], prefix: int, cache: list | None) -> mx.array:
@@ -227,8 +219,13 @@ def _body_batch(lm, batch: list[Row], prefix: int, cache: list | None) -> mx.arr
         offset=prefix, ends=mx.array([len(r.tokens) for r in batch]), prompt_ends=mx.array([r.prompt_end for r in batch]),
         requests=tuple(tuple(i for i, _, _ in r.requests) for r in batch),
     )
-    with lm.hooks.forward(rows):
+    with lm.hooks.forward(rows), continued(cache):
         return lm.head.body(mx.array(padded), cache=_broadcast(cache, len(batch)) if cache else None)
+
+
+def continued(cache: Any):
+    """Inside, forwards continue `cache` (a conditional job's shared prefix: the probes add its sums); else nothing."""
+    return cache.continued() if isinstance(cache, SharedPrefix) else contextlib.nullcontext()
 
 
 def _score_batch(lm, batch: list[Row], prefix: int, cache: list | None):
@@ -293,14 +290,25 @@ def loglikelihood(
 # --- the same kernel on a pipeline group: micro-batches through worker.split.stages (issue 26) ------------
 
 
+def _prefix_micros(lm, tokens: Sequence[int]) -> tuple[list[stages.Micro], list | SharedPrefix | None]:
+    """A family's prefix pass as micro-batches (every rank keeps its layers' KV), and the cache its batches read
+    (None: no sharing); under conditional steering one pass per combination of decisions (condition_share)."""
+    gates = conditional_gates(lm.hooks)
+    caches = [_empty_cache(lm) for _ in range(1 << len(gates))] if shareable(gates) else [None]
+    if caches[0] is None:
+        return [], None
+    shared = SharedPrefix(gates, len(tokens), caches) if gates else caches[0]
+    run = shared.run if gates else lambda v, body: body()
+    return [stages.Micro(lambda v=v, c=c: run(v, lambda: _prefix_body(lm, tokens, c)), keep=lambda c=c: [x.state for x in c])
+            for v, c in enumerate(caches)], shared  # fmt: skip
+
+
 def _micros(lm, rows: list[Row], batching: Batching) -> list[stages.Micro]:
-    """Per family: its prefix pass (every rank keeps its layers' KV), then its batches, as loglikelihood cuts them."""
+    """Per family: its prefix pass(es), then its batches, as loglikelihood cuts them."""
     micros: list[stages.Micro] = []
     for fam in _families(rows, batching.prefix_reuse):
-        cache = _empty_cache(lm) if fam.prefix else None
-        if cache is not None:
-            tokens = fam.rows[0].tokens[: fam.prefix]
-            micros.append(stages.Micro(lambda t=tokens, c=cache: _prefix_body(lm, t, c), keep=lambda c=cache: [x.state for x in c]))
+        passes, cache = _prefix_micros(lm, fam.rows[0].tokens[: fam.prefix]) if fam.prefix else ([], None)
+        micros += passes
         prefix = fam.prefix if cache is not None else 0
         for batch in _batches(fam.rows, prefix, batching):
             micros.append(stages.Micro(lambda b=batch, p=prefix, c=cache: _body_batch(lm, b, p, c),

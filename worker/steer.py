@@ -41,8 +41,6 @@ __all__ = ["OPS", "Ablate", "Add", "Clamp", "OnHead", "OnRows", "Replace", "Stee
 # 5 stories x 4 endings): the spread of an ending's log-likelihood across stories is 3.04 nats unsteered, 0.11
 # at 10x, 0.011 at 100x and 0 at 1e30x (each document then gets the same four numbers), falling as 1/ratio.
 SWAMPED = 10.0
-CONDITION_GROUPS = ("condition: conditional steering runs on single workers only for now (a group's ranks would have "
-                    "to pass each row's decision along): drop --group-size")  # fmt: skip
 
 
 def _at(positions: str, x: mx.array, ctx: HookContext, new: mx.array) -> mx.array:
@@ -254,8 +252,6 @@ def steered(lm, steering: Steering | None, notes: list[str] | None = None, fired
     heads = head_shape(lm.config)
     if getattr(lm.grouping, "split", None) == "tensor" and any(iv.site in HEAD_SITES for iv in steering.interventions):
         raise SteeringError("attn_head: a tensor-split group holds each head on one rank only: use --split pipeline")
-    if getattr(lm.grouping, "size", 1) > 1 and steering.conditional:
-        raise SteeringError(CONDITION_GROUPS)
     hooks = hooks_for(steering, lm.n_layers, hidden_size(lm), look=notes is not None, heads=heads)
     with lm.hooks.installed(hooks):
         yield

@@ -141,10 +141,6 @@ def check_heads_split(steering, grouping) -> None:
     heads = [iv for iv in (steering.interventions if steering else ()) if iv.site in HEAD_SITES]
     if heads and grouping.size > 1 and grouping.split == "tensor":
         raise BadUsage(f"{heads[0].site} steering on a tensor-split group: each node holds only some heads of every layer: use --split pipeline")
-    if steering and steering.conditional and grouping.size > 1:
-        from worker.steer import CONDITION_GROUPS
-
-        raise BadUsage(CONDITION_GROUPS)
 
 
 def check_site(config: dict, site: str, layers) -> None:

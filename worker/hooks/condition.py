@@ -14,6 +14,8 @@ here every row of a batch is decided on its own prompt positions (pads excluded)
   in decode forwards it reads them by row: the generation kernel then runs row b under "configuration" = its
   request index (Rows.configs), which keys the gate's table.
 - `Gate.by_request()` says, after the job, which requests fired (one host sync): results carry it to the head.
+- On a pipeline group the decisions travel with the hidden state from rank to rank (`relay`, `take`: worker.split.
+  pipeline packs them beside it), so the rank owning the steered layer, and the answering rank, know them.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from .manager import HookContext, Rows
 
 def prompt_forward(rows: Rows, length: int, prefix: int = 0) -> bool:
     """Whether the forward holds prompt positions, read off host facts (a device read here would stall the kernels'
-    pipelining): prompt forwards start at position 0, or right after the shared prefix the probe summed
-    (worker.hooks.condition_share, loglikelihood only); every later forward is one decode step."""
+    pipelining, and every rank of a group must agree without asking): prompt forwards start at position 0, or right
+    after the shared prefix they continue (worker.hooks.condition_share); every later forward is one decode step."""
     if rows.offset > 0 and length > 1 and rows.offset != prefix:
         raise SteeringError("conditional steering met a prompt forward after a shared prefix: run it with prefix_reuse off")
     return rows.offset == 0 or rows.offset == prefix
@@ -72,7 +74,11 @@ class Gate:
         self._table = mx.zeros((0,), mx.bool_)  # the decision by request index, for decode forwards
         self._decided: list[tuple[Any, mx.array]] = []  # (request indices per row, fired [B]) per prompt forward
         self.forced: bool | None = None  # a shared prefix's pass: every row fired (True) or quiet (False)
-        self.recording = False  # that pass is the one whose hidden states the probes sum (condition_share)
+        self.prefix: Any = None  # the shared prefix (condition_share.SharedPrefix) the forwards now run or continue
+
+    def prompt(self, rows: Rows, length: int) -> bool:
+        """Whether a forward of `length` positions over `rows` is one whose rows this gate decides."""
+        return self.forced is None and prompt_forward(rows, length, self.prefix.length if self.prefix is not None else 0)
 
     def observe(self, k: int, fired: mx.array, rows: Rows) -> None:
         if self._rows is not rows:
@@ -97,6 +103,11 @@ class Gate:
         if self._now is None:
             self._now = self._decide(self._rows)
         return self._now
+
+    def parts(self, rows: Rows, batch: int) -> list[mx.array]:
+        """Per condition, [B] bool: whether it passed at the layers run so far on this forward (False where none ran)."""
+        seen = self._parts if self._rows is rows else {}
+        return [seen.get(k, mx.zeros((batch,), mx.bool_)) for k in range(len(self.spec.conditions))]
 
     def _decide(self, rows: Rows) -> mx.array:
         parts = [self._parts.get(k) for k in range(len(self.spec.conditions))]
@@ -136,16 +147,16 @@ class Probe:
         self.gate, self.k = gate, k
         self.condition = gate.spec.conditions[k]
         self.vector = mx.array(self.condition.vector, dtype=mx.float32)
-        self.prefix: tuple[mx.array, int] | None = None  # the last shared prefix's (sum of hidden states, length)
 
     def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
-        if self.gate.forced is not None:  # a shared prefix's pass (batch 1, every position real): sum it once
-            if self.gate.recording:
-                self.prefix = (mx.sum(x.astype(mx.float32), axis=1), x.shape[1])
+        shared = self.gate.prefix
+        if self.gate.forced is not None:  # a shared prefix's pass (batch 1, every position real): its sum is kept
+            if shared is not None:
+                shared.keep(self, mx.sum(x.astype(mx.float32), axis=1))
             return x
-        shared = self.prefix if self.prefix is not None and ctx.rows.offset == self.prefix[1] else None
-        if prompt_forward(ctx.rows, x.shape[1], shared[1] if shared else 0):
-            sim = similarity(pooled(x, ctx.rows, self.condition.pool, shared), self.vector)
+        if self.gate.prompt(ctx.rows, x.shape[1]):
+            before = (shared.summed(self), shared.length) if shared is not None else None
+            sim = similarity(pooled(x, ctx.rows, self.condition.pool, before), self.vector)
             self.gate.observe(self.k, passes(sim, self.condition), ctx.rows)
         return x
 
@@ -164,6 +175,43 @@ class WhenFired:
     def __call__(self, x: mx.array, ctx: HookContext) -> mx.array:
         fired = self.gate.fired(ctx)
         return mx.where(fired[:, None, None], self.hook(x, ctx), x)
+
+
+def conditional_gates(hooks: Any) -> list[Gate]:
+    """The gates of the conditional interventions installed on `hooks` (a HookManager), each once, in install order."""
+    out: list[Gate] = []
+    for fns in hooks._hooks.values():
+        out += [f.gate for f in fns if isinstance(f, WhenFired) and f.gate not in out]
+    return out
+
+
+# --- decisions travelling with the hidden state between the ranks of a pipeline group (worker.split.pipeline) ---
+
+
+def deciding(gates: list[Gate], rows: Rows, length: int) -> list[Gate]:
+    """The gates deciding rows on this forward: what every rank of a group agrees travels with it (host facts only)."""
+    return [g for g in gates if g.prompt(rows, length)]
+
+
+def relay(gates: list[Gate], rows: Rows, batch: int) -> mx.array:
+    """[B, conditions] float32: each condition of each gate deciding now, 1 where it passed at a layer run so far."""
+    return mx.stack([p for g in gates for p in g.parts(rows, batch)], axis=-1).astype(mx.float32)
+
+
+def take(gates: list[Gate], rows: Rows, relayed: mx.array) -> None:
+    """The rank before's `relay` joins what this rank's probes will add (a condition passes at any of its layers)."""
+    j = 0
+    for gate in gates:
+        for k in range(len(gate.spec.conditions)):
+            gate.observe(k, relayed[:, j] > 0.5, rows)
+            j += 1
+
+
+def settle(gates: list[Gate]) -> None:
+    """Each gate's decision of this forward, recorded (for the decode steps and `by_request`) on a rank that owns
+    no steered layer of it: the answering rank, after its last layer (every condition layer has run by then)."""
+    for gate in gates:
+        gate.current()
 
 
 def gated(hooks: list[tuple[str, Any]], specs: list[GateSpec | None]) -> tuple[list[tuple[str, Any]], list[Gate]]:

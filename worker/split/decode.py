@@ -18,8 +18,11 @@ joined into one batch on every rank as the unsplit kernel joins them.
 
 Every transfer is evaluated on its own (worker.split.stages.timed): a dead peer fails it at once ("[ring] ..."),
 a hung one is caught by the group deadline as for pipelined scoring (cluster.groups.pool).
+Conditional steering pipelines too: each row runs under "configuration" = its request index (Rows.configs), which
+keeps its decision for the decode rounds (worker.hooks.condition), the decisions travel with the hidden state
+(worker.split.pipeline), and a family's prefix runs once per combination of decisions (worker.hooks.condition_share).
 Capture and grid jobs pipeline elsewhere (worker.capture, worker.grid.pipelined: its generation builds on these
-micro-batches, each configuration's on its own prefix KV); conditional steering stays lockstep (worker.jobs).
+micro-batches, each configuration's on its own prefix KV).
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ import mlx.core as mx
 from ..generate import GenRequest, _decode_batches, _last_logits, join_prefills, prefill_part, prompt_families, prompt_parts
 from ..generate import reads_one_prefix, texts
 from ..hooks import Rows
+from ..hooks.condition import conditional_gates
 from ..prefix_cache import resumed, stored
 from ..sampling import NON_FINITE, finite_flag, lookback, next_tokens, sample_keys, stopped
-from ..score import _empty_cache, _prefix_body
+from ..score import _empty_cache, _prefix_body, _prefix_micros
 from ..spec import Batching
 from . import stages
 from .pipeline import Pipe, passing
@@ -51,8 +55,9 @@ class _Micro:
     """One micro-batch's decoding state on this rank: the same on every rank (caches aside), plus, on the last
     rank, what the sampler needs (keys, generated ids)."""
 
-    def __init__(self, lm: Any, parts: list[Part], last: bool) -> None:
+    def __init__(self, lm: Any, parts: list[Part], last: bool, ids: list[int] | None = None) -> None:
         self.lm, self.parts, self.prefills = lm, parts, []
+        self.ids = ids  # the rows' request indices, which conditional steering keeps decisions by (Rows.configs)
         self.reqs = [r for rows, _, _ in parts for r in rows]
         self.live = list(range(len(self.reqs)))  # batch rows still generating, in cache order
         self.rounds, self.poisoned, self.sent = 0, False, [0] * len(self.reqs)
@@ -87,7 +92,9 @@ class _Micro:
         newest token). The prefill's parts, joined after the last one as worker.generate joins them; then one
         token a row."""
         if self.rounds == 0:
-            done = prefill_part(self.lm, *self.parts[k])
+            start = sum(len(rows) for rows, _, _ in self.parts[:k])
+            with self._named(range(start, start + len(self.parts[k][0]))):
+                done = prefill_part(self.lm, *self.parts[k])
             self.prefills.append(done)
             if k == len(self.parts) - 1:
                 self.cache, self.pads, self.pos, self.logits = join_prefills(self.prefills, self.parts)
@@ -97,9 +104,13 @@ class _Micro:
         rows = Rows(offset=self.pos, starts=mx.array(self.pads), ends=mx.full((B,), self.pos + 1),
                     prompt_ends=mx.full((B,), self.prompt_end))  # fmt: skip
         self.pos += 1
-        with self.lm.hooks.forward(rows):
+        with self._named(self.live), self.lm.hooks.forward(rows):
             self.logits = _last_logits(self.lm, self.tokens, self.cache)
         return self.cache, self.logits
+
+    def _named(self, rows: Sequence[int]) -> Any:
+        """Forwards inside run batch rows `rows` under their request indices, if given (else as the caller set)."""
+        return self.lm.hooks.rows_under([self.ids[b] for b in rows] if self.ids is not None else None)
 
     def sample(self, eos: frozenset[int]) -> list[int]:
         """The last rank: each live row's next id, or DONE (EOS, a stop string, max_gen_toks) as the unsplit
@@ -196,20 +207,24 @@ class _PrefixPass:
 def shared_prefixes(lm: Any, prefixes: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], list | None]:
     """Each family prefix's KV of this rank's layers (None: the model's caches cannot share one): what the prefix
     store holds (every rank's store holds the same entries: worker.prefix_cache), the rest computed in one
-    pipelined run, a micro-batch per prefix (rank r runs one while rank r + 1 runs the one before)."""
-    ready: dict[tuple[int, ...], list | None] = {}
-    passes = []
-    shares = _empty_cache(lm) is not None
+    pipelined run, a micro-batch per prefix (rank r runs one while rank r + 1 runs the one before). Under conditional
+    steering (no store) a prefix's micro-batches are its runs per combination of decisions (worker.score)."""
+    ready: dict[tuple[int, ...], Any] = {}
+    passes, conditional = [], []
+    shares, gates = _empty_cache(lm) is not None, conditional_gates(lm.hooks)
     for tokens in map(tuple, prefixes):
         _, found = stored(lm, tokens)
         if found is not None and found[0] == len(tokens):
             ready[tokens] = found[1]
+        elif gates:
+            runs, ready[tokens] = _prefix_micros(lm, tokens)
+            conditional += runs
         elif shares:
             passes.append(_PrefixPass(lm, tokens, found))
         else:
             ready[tokens] = None
-    if passes:
-        stages.run(lm, [stages.Micro(p.forward, keep=p.keep) for p in passes], lambda _: None)
+    if passes or conditional:
+        stages.run(lm, [stages.Micro(p.forward, keep=p.keep) for p in passes] + conditional, lambda _: None)
     ready.update((p.tokens, p.cache) for p in passes)
     return ready
 
@@ -238,7 +253,8 @@ def generate(lm: Any, requests: Sequence[GenRequest], batching: Batching) -> lis
     reqs, batches = micro_parts(lm, requests, batching, ring.size)
     if any(shared is not None for batch in batches for shared, _, _ in batch):
         reads_one_prefix(lm)  # its one-off self-check runs lockstep forwards: before the ring, on every rank
-    micros = [_Micro(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], last) for batch in batches]
+    micros = [_Micro(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], last,
+                     [i for _, _, idx in batch for i in idx]) for batch in batches]  # fmt: skip
     live = list(range(len(micros)))
     with passing(lm.model, ring.pipe):
         while live:  # every live micro-batch takes its round in turn (schedule.decode_steps)
