@@ -35,7 +35,7 @@ SLOW_FILES = [
     "test_cli.py", "test_sweep.py", "test_groups.py", "test_nodes.py", "test_cluster.py", "test_fresh_install.py",
     "test_steering_run.py", "test_errors.py", "test_steer_sites.py", "test_architectures.py", "test_stage.py",
     "test_grid.py", "test_pipeline_generate.py", "test_rerun.py", "test_steer_ops.py", "test_pipeline_grid.py",
-    "test_cli_faults.py", "test_vectors.py", "test_generate_prefix.py", "test_sweep_features.py",
+    "test_cli_faults.py", "test_vectors.py", "test_generate_prefix.py", "test_sweep_features.py", "test_steer_condition_groups.py",
 ]  # fmt: skip
 
 
