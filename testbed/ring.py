@@ -55,6 +55,30 @@ def _wait(procs: list, timeout: float) -> list[str]:
     return outputs
 
 
+def pipeline_models(stories: Path, folder: Path, configs: dict) -> dict:
+    """{"stories": the shipped model, "qwen2": a random 4-layer qwen2 (GQA) written under `folder`}, the two models the
+    pipeline ring tests split; each one's config.json goes into `configs` (the split's layer plan is made from it)."""
+    import json
+
+    from testbed.models import write_model
+
+    folders = {"stories": stories, "qwen2": write_model(folder / "qwen2", arch="qwen2", layers=4, heads=4, kv_heads=2)}
+    configs.update({name: json.loads((Path(f) / "config.json").read_text()) for name, f in folders.items()})
+    return folders
+
+
+def by_model(reports: list[dict], labels: list[tuple[str, str]], keys: tuple[str, ...] = ("results",)) -> list[dict]:
+    """Each rank's report with each of `keys` (one value per job, in `labels`' (model, label) order) made
+    {model: {label: value}}."""
+    for report in reports:
+        for key in keys:
+            grouped: dict = {}
+            for (name, label), value in zip(labels, report[key]):
+                grouped.setdefault(name, {})[label] = value
+            report[key] = grouped
+    return reports
+
+
 def weights_held(lm: Any) -> int:
     """Bytes of the weights a loaded model (or one rank's share) holds."""
     from mlx.utils import tree_flatten

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.ring import run_split
+from testbed.ring import by_model, pipeline_models, run_split
 from worker.generate import GenRequest
 from worker.jobs import run
 from worker.load import load
@@ -143,12 +143,7 @@ def _work(name: str, size: int) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def models(stories_path, tmp_path_factory):
-    from testbed.models import write_model
-
-    qwen2 = write_model(tmp_path_factory.mktemp("pipegrid") / "qwen2", arch="qwen2", layers=4, heads=4, kv_heads=2)
-    folders = {"stories": stories_path, "qwen2": qwen2}
-    CONFIGS.update({name: json.loads((Path(f) / "config.json").read_text()) for name, f in folders.items()})
-    return folders
+    return pipeline_models(stories_path, tmp_path_factory.mktemp("pipegrid"), CONFIGS)
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +167,7 @@ def ring(request, models):
     work = [(name, job, reqs, b) for name in models for _, job, reqs, b in _work(name, size)]
     reports = run_split(models, Grouping(size=size, split="pipeline"), work, timeout=900)
     labels = [(name, label) for name in models for label, *_ in _work(name, size)]
-    for report in reports:
-        for key in ("results", "collectives", "busy", "lookups", "entries"):
-            by_model: dict = {}
-            for (name, label), value in zip(labels, report[key]):
-                by_model.setdefault(name, {})[label] = value
-            report[key] = by_model
+    by_model(reports, labels, ("results", "collectives", "busy", "lookups", "entries"))
     return size, reports
 
 

@@ -21,13 +21,12 @@ in lockstep every rank does, from the last stage's columns that the all_gather b
 
 from __future__ import annotations
 
-from typing import Any
-
-import mlx.core as mx
-
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
 
 from ..hooks import decoder_layers
 from ..hooks.condition import conditional_gates, deciding, relay, settle, take
