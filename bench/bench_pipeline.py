@@ -252,11 +252,11 @@ def _anchor(name: str) -> str:
     return ANCHORS.get(name.partition(":")[0], "1 unsplit worker (anchor)")
 
 
-def _worst(best: dict, anchor: str, values) -> float:
+def _worst(best: dict, anchor: str, values, only=lambda name: True) -> float:
     """Max |difference| between the numbers (`values(row)`: an array) of each row measured against `anchor` and its."""
     import numpy as np
 
-    rows = [row for name, row in best.items() if _anchor(name) == anchor]
+    rows = [row for name, row in best.items() if _anchor(name) == anchor and only(name)]
     return max(float(np.abs(values(row) - values(best[anchor])).max()) for row in rows)
 
 
@@ -287,7 +287,9 @@ def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> N
     import numpy as np
 
     anchor = best["1 unsplit worker (anchor)"]
-    worst = _worst(best, "1 unsplit worker (anchor)", lambda row: np.array([lp for lp, _ in row["results"]]))
+    lls = lambda row: np.array([lp for lp, _ in row["results"]])  # noqa: E731
+    worst = _worst(best, "1 unsplit worker (anchor)", lls, only=lambda name: "tensor" not in name)
+    worst_tensor = _worst(best, "1 unsplit worker (anchor)", lls, only=lambda name: "tensor" in name)
     worst_cap = _worst(best, ANCHORS["capture"], lambda row: np.array(row["results"]))
     worst_grid = _worst(best, ANCHORS["grid"], lambda row: np.array([[lp for lp, _ in r] for r in row["results"]]))
     same = [sum(a == b for a, b in zip(best[f"{kind}: 1 group of 2, pipelined"]["results"], best[ANCHORS[kind]]["results"]))
@@ -297,7 +299,7 @@ def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> N
           f"of {args.tokens} tokens; batch {args.batch} ({-(-args.docs // args.batch)} micro-batches); generate {args.gen_rows} rows x "
           f"{args.new_tokens} tokens, batch {args.gen_batch} (few-shot: a {args.shot_tokens}-token prefix shared); one core and one BLAS thread per process ({anchor['blas']}); "
           f"load average {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
-    print(f"max |dLL| vs the anchor {worst:.1e} (target <= 1e-5); generated texts identical {same[0]}/{args.gen_rows}, "
+    print(f"max |dLL| vs the anchor {worst:.1e} (pipeline and data parallel: target <= 1e-5), tensor split {worst_tensor:.1e} (<= 1e-4); generated texts identical {same[0]}/{args.gen_rows}, "
           f"few-shot {same[1]}/{args.gen_rows}, few-shot grid {same[2]}/{args.grid_docs // 2} rows; captured rows max |d| "
           f"{worst_cap:.1e}; grid max |dLL| {worst_grid:.1e}")  # fmt: skip
     print(f"capture: {len(best['capture: 1 unsplit worker (anchor)']['results'])} rows at {', '.join(args.points)}; grid: "

@@ -58,9 +58,13 @@ def _remove(placements: list) -> None:
     placements.clear()
 
 
-def stage_model(spec: ModelSpec) -> str:
-    """Stage the model on every `mlx` node (cluster.stage); the model string the workers load. A staging
-    failure is a ClusterError: one line, as every other cluster problem."""
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def stage_model(spec: ModelSpec, tell: Callable[[str], None] = to_stderr) -> str:
+    """Stage the model on every `mlx` node (cluster.stage); the model string the workers load; `tell` gets the
+    line that says what moved. A staging failure is a ClusterError: one line, as every other cluster problem."""
     from worker.staged import StageError
 
     from .stage import stage
@@ -70,7 +74,7 @@ def stage_model(spec: ModelSpec) -> str:
     except StageError as e:
         raise ClusterError(" ".join(str(e).split())) from None
     moved = sum(n.bytes_sent for n in report.nodes) / 1e6
-    print(f"staged {spec.model} on {len(report.nodes)} node{'s' * (len(report.nodes) != 1)} ({moved:.1f} MB moved)", file=sys.stderr)
+    tell(f"staged {spec.model} on {len(report.nodes)} node{'s' * (len(report.nodes) != 1)} ({moved:.1f} MB moved)")
     return report.staged_model
 
 
@@ -113,6 +117,10 @@ class Workers:
         self._formed: Any = None  # the worker groups (cluster.groups.Formed) when grouping.size > 1
         self.tell: Callable[[Any], None] = lambda results: None  # the executor's notes callback (ranks > 0's notes)
 
+    def say(self, line: str) -> None:
+        """A line for the user (the staging report); the CLI's workers say it their way."""
+        to_stderr(line)
+
     def start(self) -> None:
         """Join (or start) Ray and place the workers; they load the model in the background (`ready`)."""
         o, requested, size = self.options, self.requested, self.grouping.size
@@ -121,7 +129,7 @@ class Workers:
         try:
             n = worker_count(requested) if size == 1 else groups.group_count(requested, size)
             if o["stage"]:  # every node gets its own verified copy first; the workers load that
-                self.spec = self.spec.model_copy(update={"model": stage_model(self.spec)})
+                self.spec = self.spec.model_copy(update={"model": stage_model(self.spec, self.say)})
             if size == 1:
                 actors, self._launched = launch(
                     self.spec, self.batching, n, actor_cls=o["actor_cls"], threads=o["threads"], max_restarts=o["max_restarts"]

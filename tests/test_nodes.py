@@ -239,6 +239,7 @@ def test_run_with_stage_on_the_local_cluster(up: Up, stories_path: Path, tasks_d
     )  # fmt: skip
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"staged {model} on {NODES} nodes" in proc.stderr and "orchard_mc" in proc.stdout
+    assert f"2 workers, staging {model} on every node" in proc.stderr  # the phase says what the wait is for
     _assert_staged(up.home, model)
 
 

@@ -28,25 +28,39 @@ def passes(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def picked(monkeypatch):
+    """Per cascade prefill (each row's suffix on one copy of the prefix: worker.cascade), how many of its layers
+    hold variants each row picks among: proof that a conditional family reads its prefixes once, not per row."""
+    from worker import cascade
+
+    counts = []
+    original = cascade.prefill
+    monkeypatch.setattr(cascade, "prefill", lambda lm, reqs, kv, prefix: counts.append(sum(isinstance(c, cascade.Picked) for c in kv)) or original(lm, reqs, kv, prefix))
+    return counts
+
+
 def contexts(lm):
     return [ids(lm, SHOTS + p) for p in PROMPTS]
 
 
 def _low(direction, condition=None) -> Steering:
-    """Steering at layer 2, decided at layer 1: the prefix's KV differs in 3 of the 5 layers (greedy texts then
-    tell a row that read the wrong prefix)."""
+    """Steering layer 2's output, decided at layer 1: the prefix's KV differs in layers 3 and 4 of the 5 (greedy
+    texts then tell a row that read the wrong prefix)."""
     return Steering(interventions=(Intervention(layer=2, vector=_vector(3), alpha=ALPHA, condition=condition),))
 
 
 @pytest.mark.parametrize("pool", ["mean", "last"])
-def test_generation_with_a_shared_prefix_gives_what_each_whole_prompt_gives(lm, direction, pool, passes):
-    reqs = [GenRequest(context=c, max_gen_toks=16) for c in contexts(lm)]
+def test_generation_with_a_shared_prefix_gives_what_each_whole_prompt_gives(lm, direction, pool, passes, picked):
+    """Rows of one batch stop after 8, 12 or 16 tokens: the rows left keep their own picks."""
+    reqs = [GenRequest(context=c, max_gen_toks=16 - 4 * (i % 3)) for i, c in enumerate(contexts(lm))]
     threshold = between([cast_rule(lm, c, direction, 1, pool) for c in contexts(lm)])
     job = Job(kind="generate", steering=_low(direction, gate(direction, threshold, pool=pool, layers=(1,))))
     whole = run(lm, job, reqs, WHOLE)
     assert passes == []
     shared = run(lm, job, reqs, Batching(batch_size=5))
     assert sorted(passes) == [0, 1]  # one family: its prefix once plain, once steered
+    assert picked.count(2) == 4  # each of the 4 batches read both variants of layers 3 and 4, once each
     plain = run(lm, Job(kind="generate"), reqs, WHOLE)
     steered_texts = run(lm, Job(kind="generate", steering=_low(direction)), reqs, WHOLE)
     assert 4 <= sum(w[1] for w in whole) <= 12  # a mixed batch
@@ -114,13 +128,14 @@ def test_two_conditional_interventions_share_a_prefix_in_loglikelihood(lm, direc
         assert abs(s[0] - w[0]) <= 1e-5 and s[1] == w[1]
 
 
-def test_two_conditional_interventions_share_a_prefix_in_generation(lm, direction, thresholds, passes):
+def test_two_conditional_interventions_share_a_prefix_in_generation(lm, direction, thresholds, passes, picked):
     ta, tb, fired = thresholds
-    reqs = [GenRequest(context=c, max_gen_toks=10) for c in contexts(lm)]
+    reqs = [GenRequest(context=c, max_gen_toks=10 - 3 * (i % 2)) for i, c in enumerate(contexts(lm))]
     job = Job(kind="generate", steering=_two(direction, ta, tb))
     whole = run(lm, job, reqs, WHOLE)
     shared = run(lm, job, reqs, Batching(batch_size=16))
     assert sorted(passes) == [0, 1, 2, 3]
+    assert picked and all(n > 0 for n in picked)  # the variants read once each, in one cascade
     assert [w[1] for w in whole] == fired
     assert shared == whole
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache
 
-Group = tuple[Any, int]  # (the prefix's KVCache of this layer, keys [1, kv, P, d], or None; rows)
+Group = tuple[Any, int]  # (the prefix's KVCache of this layer, keys [1, kv, P, d], a Picked, or None; rows)
 AGREE = 1e-4  # the self-check's tolerance on logits (float rounding is ~1e-6)
 LOG2E = 1.4426950408889634  # scores are taken in base 2 (log2(e) folded into the scale, as flash attention does):
 # on MLX's CPU backend mx.power(2, x) ran 3x faster than mx.exp(x) (6.7 vs 19 ms for 1.9M floats), and the
@@ -106,9 +106,9 @@ def _kept(level: list[Group], kept: list[int]) -> list[Group]:
     """The level's groups after a filter keeping batch rows `kept` (in order); emptied groups go."""
     start, out = 0, []
     for kv, n in level:
-        rows = sum(start <= i < start + n for i in kept)
-        if rows:
-            out.append((kv, rows))
+        local = [i - start for i in kept if start <= i < start + n]
+        if local:
+            out.append((kv.kept(local) if isinstance(kv, Picked) else kv, len(local)))
         start += n
     return out
 
@@ -119,24 +119,56 @@ def _padded(levels: list[list[Group]], depth: int) -> list[list[Group]]:
     return [list(level) for level in levels] + [[(None, rows)] for _ in range(depth - len(levels))]
 
 
+class Picked:
+    """One layer's prefix KV in several variants (conditional steering: worker.hooks.condition_share), each row
+    reading the one `index()` picks for it ([n] int32, built inside the prompt forward whose decisions pick, on the
+    first read, and kept for the rows' decode steps). Every variant is read once per forward, as one prefix is."""
+
+    def __init__(self, caches: list[Any], index: Any = None, rows: mx.array | None = None) -> None:
+        self.caches, self._index, self._rows = caches, index, rows
+        self.offset = caches[0].offset
+
+    def rows(self) -> mx.array:
+        if self._rows is None:
+            self._rows = self._index()
+        return self._rows
+
+    def kept(self, local: list[int]) -> Picked:
+        """The same variants for the group's rows `local` (indices within the group, in order)."""
+        return Picked(self.caches, rows=self.rows()[mx.array(local)])
+
+
 def _prefix_parts(qf: mx.array, groups: list[Group], kv: int, dv: int) -> tuple[mx.array, mx.array, mx.array]:
     """Per row: the prefix scores' max, the sum of their exponentials, and the unnormalized output."""
-    _, H, L, d = qf.shape
+    _, H, L, _ = qf.shape
     parts, start = [], 0
     for kv_cache, n in groups:
         q = qf[start : start + n]
         start += n
         if kv_cache is None:  # rows sharing no prefix: an empty part
             parts.append((mx.full((n, H, L, 1), -mx.inf), mx.zeros((n, H, L, 1)), mx.zeros((n, H, L, dv))))
-            continue
-        rows = (H // kv) * L
-        qh = q.reshape(n, kv, rows, d).transpose(1, 0, 2, 3).reshape(1, kv, n * rows, d)  # all rows, one matmul
-        pk, pv = (x[..., : kv_cache.offset, :].astype(mx.float32) for x in (kv_cache.keys, kv_cache.values))
-        s = qh @ pk.swapaxes(-1, -2)
-        m = s.max(-1, keepdims=True)
-        e = mx.power(2.0, s - m)
-        parts.append(tuple(_per_row(x, n, H, L) for x in (m, e.sum(-1, keepdims=True), e @ pv)))
+        elif isinstance(kv_cache, Picked):  # each variant read once for all rows, each row keeping its own
+            variants = [_group_part(q, c, kv) for c in kv_cache.caches]
+            which = kv_cache.rows().reshape(n, 1, 1, 1)
+            part = variants[0]
+            for j, other in enumerate(variants[1:], 1):
+                part = tuple(mx.where(which == j, o, p) for o, p in zip(other, part))
+            parts.append(part)
+        else:
+            parts.append(_group_part(q, kv_cache, kv))
     return tuple(mx.concatenate(p, axis=0) for p in zip(*parts))
+
+
+def _group_part(q: mx.array, kv_cache: Any, kv: int) -> tuple[mx.array, mx.array, mx.array]:
+    """One group's rows (queries q [n, H, L, d]) against its prefix, all rows in one matmul per KV head."""
+    n, H, L, d = q.shape
+    rows = (H // kv) * L
+    qh = q.reshape(n, kv, rows, d).transpose(1, 0, 2, 3).reshape(1, kv, n * rows, d)
+    pk, pv = (x[..., : kv_cache.offset, :].astype(mx.float32) for x in (kv_cache.keys, kv_cache.values))
+    s = qh @ pk.swapaxes(-1, -2)
+    m = s.max(-1, keepdims=True)
+    e = mx.power(2.0, s - m)
+    return tuple(_per_row(x, n, H, L) for x in (m, e.sum(-1, keepdims=True), e @ pv))
 
 
 def _per_row(x: mx.array, n: int, H: int, L: int) -> mx.array:

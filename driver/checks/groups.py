@@ -30,7 +30,9 @@ def chosen_lines(size: int | str, split: str, found: Grouping) -> list[str]:
 
 
 def tell_chosen(size: int | str, split: str, found: Grouping) -> None:
-    for line in chosen_lines(size, split, found):
+    from driver.lm.quiet import quiet
+
+    for line in chosen_lines(size, split, found) * (not quiet()):
         print(line, file=sys.stderr)
 
 

@@ -40,9 +40,12 @@ class ToldWorkers(Workers):
     """cluster.executor.Workers that say on stderr what they are doing: Ray starting (or which cluster is
     joined), the model loading on how many workers, and the wait for it when lm-eval is ready first."""
 
+    say = staticmethod(say)  # the staging report, silenced by --quiet as every phase line
+
     def start(self) -> None:
         asked = workers_text(self.requested, self.grouping.size)
-        with phase(f"{describe(self.options['address'])}: {asked}"):
+        staging = f", staging {self.spec.model} on every node" if self.options["stage"] else ""
+        with phase(f"{describe(self.options['address'])}: {asked}{staging}"):
             super().start()
         formed = workers_text(len(self.pool.workers), self.grouping.size)
         say(f"loading {self.spec.model} on {formed} (lm-eval builds its requests meanwhile)")

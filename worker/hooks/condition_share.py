@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ..cascade import Picked
 from .condition import Gate, conditional_gates
 
 __all__ = ["MAX_GATES", "Chosen", "ChosenCache", "SharedPrefix", "broadcast_kv", "conditional_gates", "shareable", "shared_prefix"]
@@ -83,6 +84,10 @@ class SharedPrefix:
             self._layers = [_layer([v[i] for v in self.variants], self.gates) for i in range(len(self.variants[0]))]
         return self._layers
 
+    def cascaded(self) -> list:
+        """Per layer the prefix's KVCache, or its variants to pick among per row (worker.cascade reads each once)."""
+        return [c.picked() if isinstance(c, Chosen) else c for c in self.layers()]
+
     def broadcast(self, batch: int) -> list:
         """Per layer a KVCache for a batch of `batch` suffixes (worker.score)."""
         return [c.broadcast(batch) if isinstance(c, Chosen) else broadcast_kv(c, batch) for c in self.layers()]
@@ -115,19 +120,26 @@ def _differs(arrays: list[mx.array], gates: list[Gate]) -> set[int]:
     return {g for (g, _), s in zip(pairs, same) if not s.item()}
 
 
+def _variants(items: list, relevant: set[int]) -> list:
+    """`items` (one per variant) in the order of the index `_index` gives over the `relevant` interventions."""
+    bits = sorted(relevant)
+    return [items[sum((j >> i & 1) << g for i, g in enumerate(bits))] for j in range(1 << len(bits))]
+
+
+def _index(gates: list[Gate], relevant: set[int]) -> Callable[[], mx.array]:
+    """A function giving, per row of the forward now running, [B] int32: which of `_variants` its decisions pick
+    among the `relevant` interventions (decided by then: their steering reaches what the variants hold)."""
+    bits = sorted(relevant)
+    return lambda: sum(gates[g].current().astype(mx.int32) * (1 << i) for i, g in enumerate(bits))
+
+
 def _picker(arrays: list[mx.array], gates: list[Gate], relevant: set[int]) -> Callable[[], mx.array]:
     """A function giving, per row of the forward now running, `arrays[v]` (leading dim 1) for the variant v its
-    decisions pick among the `relevant` interventions (decided by then: their steering reaches these arrays)."""
+    decisions pick among the `relevant` interventions."""
     if not relevant:
         return lambda: arrays[0]
-    bits = sorted(relevant)
-    table = mx.concatenate([arrays[sum((j >> i & 1) << g for i, g in enumerate(bits))] for j in range(1 << len(bits))])
-
-    def pick() -> mx.array:
-        index = sum(gates[g].current().astype(mx.int32) * (1 << i) for i, g in enumerate(bits))
-        return mx.take(table, index, axis=0)
-
-    return pick
+    table, index = mx.concatenate(_variants(arrays, relevant)), _index(gates, relevant)
+    return lambda: mx.take(table, index(), axis=0)
 
 
 def _layer(caches: list, gates: list[Gate]) -> Any:
@@ -137,7 +149,8 @@ def _layer(caches: list, gates: list[Gate]) -> Any:
     relevant = _differs(keys, gates) | _differs(values, gates)
     if not relevant:
         return caches[0]
-    return Chosen(_picker(keys, gates, relevant), _picker(values, gates, relevant), caches[0].offset)
+    return Chosen(_picker(keys, gates, relevant), _picker(values, gates, relevant), caches[0].offset,
+                  _variants(caches, relevant), _index(gates, relevant))  # fmt: skip
 
 
 def broadcast_kv(c: Any, batch: int) -> KVCache:
@@ -152,8 +165,14 @@ def broadcast_kv(c: Any, batch: int) -> KVCache:
 class Chosen:
     """One layer's prefix KV in several variants, picked per row by the decisions of the forward reading it."""
 
-    def __init__(self, keys: Callable[[], mx.array], values: Callable[[], mx.array], length: int) -> None:
+    def __init__(self, keys: Callable[[], mx.array], values: Callable[[], mx.array], length: int, caches: list,
+                 index: Callable[[], mx.array]) -> None:  # fmt: skip
         self.keys, self.values, self.length = keys, values, length
+        self.caches, self.index = caches, index  # the variants' caches and each row's pick among them: worker.cascade
+
+    def picked(self) -> Picked:
+        """The variants read once each, rows keeping their pick (worker.cascade), for one prompt forward's rows."""
+        return Picked(self.caches, self.index)
 
     def pick(self, batch: int) -> tuple[mx.array, mx.array]:
         k, v = self.keys(), self.values()
