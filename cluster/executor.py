@@ -58,26 +58,6 @@ def _remove(placements: list) -> None:
     placements.clear()
 
 
-def to_stderr(line: str) -> None:
-    print(line, file=sys.stderr)
-
-
-def stage_model(spec: ModelSpec, tell: Callable[[str], None] = to_stderr) -> str:
-    """Stage the model on every `mlx` node (cluster.stage); the model string the workers load; `tell` gets the
-    line that says what moved. A staging failure is a ClusterError: one line, as every other cluster problem."""
-    from worker.staged import StageError
-
-    from .stage import stage
-
-    try:
-        report = stage(spec.model, revision=spec.revision)
-    except StageError as e:
-        raise ClusterError(" ".join(str(e).split())) from None
-    moved = sum(n.bytes_sent for n in report.nodes) / 1e6
-    tell(f"staged {spec.model} on {len(report.nodes)} node{'s' * (len(report.nodes) != 1)} ({moved:.1f} MB moved)")
-    return report.staged_model
-
-
 class Workers:
     """An executor's worker actors: their count checked against this machine before anything starts, Ray joined
     and the actors placed on demand (`start`), every one holding the model after `ready`."""
@@ -119,7 +99,7 @@ class Workers:
 
     def say(self, line: str) -> None:
         """A line for the user (the staging report); the CLI's workers say it their way."""
-        to_stderr(line)
+        print(line, file=sys.stderr)
 
     def start(self) -> None:
         """Join (or start) Ray and place the workers; they load the model in the background (`ready`)."""
@@ -129,6 +109,8 @@ class Workers:
         try:
             n = worker_count(requested) if size == 1 else groups.group_count(requested, size)
             if o["stage"]:  # every node gets its own verified copy first; the workers load that
+                from .stage import stage_model
+
                 self.spec = self.spec.model_copy(update={"model": stage_model(self.spec, self.say)})
             if size == 1:
                 actors, self._launched = launch(

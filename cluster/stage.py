@@ -307,3 +307,15 @@ def stage(
             ray.kill(actor, no_restart=True)
     total = sum(e["size"] for e in entries)
     return StageReport(model, name, cid, len(entries), total, nodes, time.monotonic() - t0)
+
+
+def stage_model(spec: Any, tell: Any) -> str:
+    """Stage `spec`'s model (a worker.spec.ModelSpec) on every `mlx` node; the model string the workers load; `tell`
+    gets the line that says what moved. A staging failure is a ClusterError: one line, as every other cluster problem."""
+    try:
+        report = stage(spec.model, revision=spec.revision)
+    except StageError as e:
+        raise ClusterError(" ".join(str(e).split())) from None
+    moved = sum(n.bytes_sent for n in report.nodes) / 1e6
+    tell(f"staged {spec.model} on {len(report.nodes)} node{'s' * (len(report.nodes) != 1)} ({moved:.1f} MB moved)")
+    return report.staged_model

@@ -36,7 +36,7 @@ def picked(monkeypatch):
 
     counts = []
     original = cascade.prefill
-    monkeypatch.setattr(cascade, "prefill", lambda lm, reqs, kv, prefix: counts.append(sum(isinstance(c, cascade.Picked) for c in kv)) or original(lm, reqs, kv, prefix))
+    monkeypatch.setattr(cascade, "prefill", lambda lm, reqs, kv, prefix: counts.append(sum(isinstance(c, condition_share.Picked) for c in kv)) or original(lm, reqs, kv, prefix))
     return counts
 
 

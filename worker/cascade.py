@@ -25,7 +25,8 @@ import mlx.core as mx
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache
 
-Group = tuple[Any, int]  # (the prefix's KVCache of this layer, keys [1, kv, P, d], a Picked, or None; rows)
+Group = tuple[Any, int]  # (the prefix's KVCache of this layer, keys [1, kv, P, d], or None; rows), or variants
+# of it each row picks among (worker.hooks.condition_share.Picked: `caches`, `rows()`, `kept(local)`)
 AGREE = 1e-4  # the self-check's tolerance on logits (float rounding is ~1e-6)
 LOG2E = 1.4426950408889634  # scores are taken in base 2 (log2(e) folded into the scale, as flash attention does):
 # on MLX's CPU backend mx.power(2, x) ran 3x faster than mx.exp(x) (6.7 vs 19 ms for 1.9M floats), and the
@@ -108,7 +109,7 @@ def _kept(level: list[Group], kept: list[int]) -> list[Group]:
     for kv, n in level:
         local = [i - start for i in kept if start <= i < start + n]
         if local:
-            out.append((kv.kept(local) if isinstance(kv, Picked) else kv, len(local)))
+            out.append((kv.kept(local) if hasattr(kv, "kept") else kv, len(local)))  # a Picked keeps its rows' picks
         start += n
     return out
 
@@ -117,25 +118,6 @@ def _padded(levels: list[list[Group]], depth: int) -> list[list[Group]]:
     """Fresh lists of the levels, and levels of no prefix below them down to `depth`."""
     rows = sum(n for _, n in levels[0])
     return [list(level) for level in levels] + [[(None, rows)] for _ in range(depth - len(levels))]
-
-
-class Picked:
-    """One layer's prefix KV in several variants (conditional steering: worker.hooks.condition_share), each row
-    reading the one `index()` picks for it ([n] int32, built inside the prompt forward whose decisions pick, on the
-    first read, and kept for the rows' decode steps). Every variant is read once per forward, as one prefix is."""
-
-    def __init__(self, caches: list[Any], index: Any = None, rows: mx.array | None = None) -> None:
-        self.caches, self._index, self._rows = caches, index, rows
-        self.offset = caches[0].offset
-
-    def rows(self) -> mx.array:
-        if self._rows is None:
-            self._rows = self._index()
-        return self._rows
-
-    def kept(self, local: list[int]) -> Picked:
-        """The same variants for the group's rows `local` (indices within the group, in order)."""
-        return Picked(self.caches, rows=self.rows()[mx.array(local)])
 
 
 def _prefix_parts(qf: mx.array, groups: list[Group], kv: int, dv: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -147,7 +129,7 @@ def _prefix_parts(qf: mx.array, groups: list[Group], kv: int, dv: int) -> tuple[
         start += n
         if kv_cache is None:  # rows sharing no prefix: an empty part
             parts.append((mx.full((n, H, L, 1), -mx.inf), mx.zeros((n, H, L, 1)), mx.zeros((n, H, L, dv))))
-        elif isinstance(kv_cache, Picked):  # each variant read once for all rows, each row keeping its own
+        elif hasattr(kv_cache, "rows"):  # variants (condition_share.Picked): each read once, each row keeping its own
             variants = [_group_part(q, c, kv) for c in kv_cache.caches]
             which = kv_cache.rows().reshape(n, 1, 1, 1)
             part = variants[0]

@@ -24,10 +24,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from ..cascade import Picked
 from .condition import Gate, conditional_gates
 
-__all__ = ["MAX_GATES", "Chosen", "ChosenCache", "SharedPrefix", "broadcast_kv", "conditional_gates", "shareable", "shared_prefix"]
+__all__ = ["MAX_GATES", "Chosen", "ChosenCache", "Picked", "SharedPrefix", "broadcast_kv", "conditional_gates", "shareable", "shared_prefix"]
 
 MAX_GATES = 3  # conditional interventions whose prefixes are shared: 2^3 = 8 prefix passes per family at most
 
@@ -160,6 +159,25 @@ def broadcast_kv(c: Any, batch: int) -> KVCache:
     fresh.keys, fresh.values = mx.broadcast_to(k, (batch, *k.shape[1:])), mx.broadcast_to(v, (batch, *v.shape[1:]))
     fresh.offset = c.offset
     return fresh
+
+
+class Picked:
+    """One layer's prefix KV in several variants, as a worker.cascade group: each row reads the one `index()` picks
+    for it ([n] int32, built inside the prompt forward whose decisions pick, on the first read, and kept for the
+    rows' decode steps). The cascade reads every variant once per forward, as it reads one prefix."""
+
+    def __init__(self, caches: list[Any], index: Any = None, rows: mx.array | None = None) -> None:
+        self.caches, self._index, self._rows = caches, index, rows
+        self.offset = caches[0].offset
+
+    def rows(self) -> mx.array:
+        if self._rows is None:
+            self._rows = self._index()
+        return self._rows
+
+    def kept(self, local: list[int]) -> Picked:
+        """The same variants for the group's rows `local` (indices within the group, in order)."""
+        return Picked(self.caches, rows=self.rows()[mx.array(local)])
 
 
 class Chosen:
