@@ -407,7 +407,7 @@ SWEEP_ROWS: list[Case] = [  # sweep files and their outputs
          setup=lambda w, case: _sweep(w, case, alphas="[2.0, 1.0e+39]")),
     Case("sweep target_score typo", "sweep", SWEEP, 1, "prompts[0].target_score: 'avg' is not allowed (use 'sum' or 'mean')",
          setup=lambda w, case: _sweep(w, case, prompt_set=", target_score: avg"), common=False),
-    Case("sweep output is a file", "sweep", ["--workers", "1", "--output", "{case}/f"], 2, "/f' is a file", setup=lambda w, case: [*_a_file(w, case), *_sweep(w, case)], common=False),
+    Case("sweep output is a file", "sweep", ["--workers", "1", "--output", "{case}/f"], 1, "/f: a file is in the way", setup=lambda w, case: [*_a_file(w, case), *_sweep(w, case)], common=False),
     Case("sweep heads on a site without heads", "sweep", SWEEP, 1, "sweep.yaml: grid: heads: site resid_post has no heads: add "
          "attn_head to grid.sites, or remove grid.heads", common=False, setup=lambda w, case: _sweep(w, case, alphas="[2.0], heads: all")),
     Case("sweep head out of range", "sweep", SWEEP, 1, "sweep.yaml: grid.heads: 9 is out of range for a model with 4 attention heads "
@@ -438,7 +438,7 @@ MODEL_ROWS: list[Case] = [  # model files, tokenizer, tasks, run flags, demo
          "--num-fewshot 1000: task orchard_mc has 8 few-shot examples: give --num-fewshot 8 or less"),
     Case("demo workers 0", "demo", ["--workers", "0", "--dir", "{case}/out"], 2, "--workers 0: at least 1 worker is needed",
          common=False),
-    Case("demo dir is a file", "demo", ["--dir", "{case}/f"], 2, "Invalid value for '--dir': Directory", setup=_a_file,
+    Case("demo dir is a file", "demo", ["--dir", "{case}/f"], 1, "/f: a file is in the way (give a folder)", setup=_a_file,
          common=False),
 ]  # fmt: skip
 GROUP_ROWS: list[Case] = [  # worker groups (issue 17): --group-size, --split, model_args, the sweep file's model block

@@ -21,7 +21,6 @@ from driver.cli.run import GROUP_HELP, SPLIT_HELP, run
     "folder",
     default="orchard-out/demo",
     show_default=True,
-    type=click.Path(file_okay=False),
     help="Where the demo's tasks, results and cache go.",
 )
 @click.option("--group-size", "--group_size", "group_size", default="1", show_default=True, help=GROUP_HELP)

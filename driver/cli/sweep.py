@@ -26,10 +26,10 @@ from driver.lm.quiet import phase, say
 @click.option("--workers", default="all", show_default=True, help=WORKERS_HELP)
 @click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
 @click.option(
-    "--output", "--output-path", "--output_path", "output", default=None, type=click.Path(file_okay=False),
+    "--output", "--output-path", "--output_path", "output", default=None,
     help="Output folder (as `driver run --output`). Default: orchard-out/<sweep file name>."
 )
-@click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: OUTPUT/cache.")
+@click.option("--cache", default=None, help="Result cache folder. Default: OUTPUT/cache.")
 @click.option("--threads", type=settings.WHOLE, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
 @click.option("--stage", is_flag=True, help="Copy the model to every node first (driver stage); workers load that copy.")
 @click.option("--group-size", "--group_size", "group_size", default=None, help=f"{GROUP_HELP} Default: the file's model.group_size, else 1.")

@@ -38,7 +38,7 @@ VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--
 @click.option("--address", default=None, help="Ray cluster: auto, HOST:PORT, or local. Default: $RAY_ADDRESS, else local.")
 @click.option("--model-args", "--model_args", "model_args", default="", help="More model settings, e.g. dtype=float16.")
 @click.option("--threads", type=settings.WHOLE, default=None, help="BLAS/OpenMP threads per worker (several workers on one machine).")
-@click.option("--cache", default=None, type=click.Path(file_okay=False), help="Result cache folder. Default: cache/ beside OUT.")
+@click.option("--cache", default=None, help="Result cache folder. Default: cache/ beside OUT.")
 @click.option("--group-size", "--group_size", "group_size", default="1", show_default=True, help=GROUP_HELP)
 @click.option("--split", default="auto", show_default=True, help=SPLIT_HELP)
 def vectors(
