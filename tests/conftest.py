@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -15,6 +16,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+# A shell that starts the suite in the background (`(pytest &)`, no job control) has it ignore SIGINT, and so would
+# every process it starts: the Ctrl-C tests (a run interrupted and resumed, Ray's start interrupted) need Ctrl-C.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 MMLU_CACHE = SHARED / "data" / "hf-datasets" / "cais___mmlu"
