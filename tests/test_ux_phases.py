@@ -93,3 +93,18 @@ def test_a_refusal_after_ray_started_follows_its_phases_and_is_the_one_error(ray
     lines = result.stderr.splitlines()
     assert lines[1].startswith("driver: using the Ray cluster this process is connected to, at") and lines[-1].startswith("Error: --workers 5 needs 5")
     assert sum(line.startswith("Error:") for line in lines) == 1 and "driver:" not in result.stdout
+
+
+@pytest.mark.parametrize("quiet", ["0", "1"])
+def test_what_auto_chose_is_said_unless_quiet(monkeypatch, capsys, quiet):
+    from driver.checks.groups import tell_chosen
+    from worker.spec import Grouping
+
+    monkeypatch.setenv("ORCHARD_QUIET", quiet)
+    tell_chosen("auto", "auto", Grouping(size=2, split="pipeline"))
+    said = capsys.readouterr()
+    assert said.out == ""  # never on stdout: results only
+    if quiet == "1":
+        assert said.err == ""
+    else:
+        assert said.err.startswith("--group-size auto: 2 (") and "\n--split auto: pipeline (" in said.err, said.err
