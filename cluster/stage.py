@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from worker import staged
+from worker.spec import ModelSpec
 from worker.staged import PIECE, StageError
 
 from .connect import ClusterError
@@ -309,8 +311,8 @@ def stage(
     return StageReport(model, name, cid, len(entries), total, nodes, time.monotonic() - t0)
 
 
-def stage_model(spec: Any, tell: Any) -> str:
-    """Stage `spec`'s model (a worker.spec.ModelSpec) on every `mlx` node; the model string the workers load; `tell`
+def stage_model(spec: ModelSpec, tell: Callable[[str], None]) -> str:
+    """Stage `spec`'s model on every `mlx` node; the model string the workers load; `tell`
     gets the line that says what moved. A staging failure is a ClusterError: one line, as every other cluster problem."""
     try:
         report = stage(spec.model, revision=spec.revision)

@@ -12,6 +12,7 @@ across calls in a bounded per-model LRU (worker.prefix_cache), keyed by the toke
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -254,14 +255,11 @@ def reads_one_prefix(lm: Any) -> bool:
 def _prefill_suffixes(lm: Any, reqs: list[GenRequest], prefix_cache: list[Any], prefix: int) -> tuple[list[Any], list[int], int, mx.array]:
     """A family's suffixes on one copy of the prefix KV (worker.cascade) where the model allows, else copied; under
     conditional steering each row reads the variant its decisions pick (worker.hooks.condition_share)."""
-    if isinstance(prefix_cache, SharedPrefix):
-        with prefix_cache.continued():
-            if reads_one_prefix(lm):
-                return cascade.prefill(lm, reqs, prefix_cache.cascaded(), prefix)
-            return _prefill_copied(lm, reqs, prefix_cache, prefix)
-    if reads_one_prefix(lm):
-        return cascade.prefill(lm, reqs, prefix_cache, prefix)
-    return _prefill_copied(lm, reqs, prefix_cache, prefix)
+    conditional = isinstance(prefix_cache, SharedPrefix)
+    with prefix_cache.continued() if conditional else contextlib.nullcontext():
+        if reads_one_prefix(lm):
+            return cascade.prefill(lm, reqs, prefix_cache.cascaded() if conditional else prefix_cache, prefix)
+        return _prefill_copied(lm, reqs, prefix_cache, prefix)
 
 
 def _prefill_copied(lm: Any, reqs: list[GenRequest], prefix_cache: list[Any], prefix: int) -> tuple[list[Any], list[int], int, mx.array]:

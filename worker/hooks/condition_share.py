@@ -80,7 +80,9 @@ class SharedPrefix:
     def layers(self) -> list:
         """Per layer: the prefix's KVCache where every variant's is the same, else a `Chosen` (one host sync, once)."""
         if self._layers is None:
-            self._layers = [_layer([v[i] for v in self.variants], self.gates) for i in range(len(self.variants[0]))]
+            per_layer = [[v[i] for v in self.variants] for i in range(len(self.variants[0]))]
+            found = _differences([_held(caches, part) for caches in per_layer for part in ("keys", "values")], self.gates)
+            self._layers = [_layer(caches, self.gates, k | v) for caches, k, v in zip(per_layer, found[::2], found[1::2])]
         return self._layers
 
     def cascaded(self) -> list:
@@ -113,10 +115,20 @@ def shared_prefix(gates: list[Gate], run_prefix: Callable[[], list | None]) -> S
 
 def _differs(arrays: list[mx.array], gates: list[Gate]) -> set[int]:
     """The interventions whose decision changes `arrays` (one per variant): those a row's pick must read."""
-    pairs = [(g, v) for g in range(len(gates)) for v in range(len(arrays)) if not v >> g & 1]
-    same = [mx.array_equal(arrays[v], arrays[v | 1 << g]) for g, v in pairs]
+    return _differences([arrays], gates)[0]
+
+
+def _differences(many: list[list[mx.array]], gates: list[Gate]) -> list[set[int]]:
+    """`_differs` of each list of `many`, in one host sync."""
+    pairs = [(g, v) for g in range(len(gates)) for v in range(1 << len(gates)) if not v >> g & 1]
+    same = [[mx.array_equal(arrays[v], arrays[v | 1 << g]) for g, v in pairs] for arrays in many]
     mx.eval(same)
-    return {g for (g, _), s in zip(pairs, same) if not s.item()}
+    return [{g for (g, _), s in zip(pairs, row) if not s.item()} for row in same]
+
+
+def _held(caches: list, part: str) -> list[mx.array]:
+    """Each variant's cache's keys or values (`part`), its filled positions only."""
+    return [getattr(c, part)[..., : c.offset, :] for c in caches]
 
 
 def _variants(items: list, relevant: set[int]) -> list:
@@ -141,13 +153,11 @@ def _picker(arrays: list[mx.array], gates: list[Gate], relevant: set[int]) -> Ca
     return lambda: mx.take(table, index(), axis=0)
 
 
-def _layer(caches: list, gates: list[Gate]) -> Any:
-    """One layer's prefix KV in every variant: the plain cache if they are all the same, else a `Chosen`."""
-    keys = [c.keys[..., : c.offset, :] for c in caches]
-    values = [c.values[..., : c.offset, :] for c in caches]
-    relevant = _differs(keys, gates) | _differs(values, gates)
+def _layer(caches: list, gates: list[Gate], relevant: set[int]) -> Any:
+    """One layer's prefix KV in every variant: the plain cache if no decision changes it, else a `Chosen`."""
     if not relevant:
         return caches[0]
+    keys, values = _held(caches, "keys"), _held(caches, "values")
     return Chosen(_picker(keys, gates, relevant), _picker(values, gates, relevant), caches[0].offset,
                   _variants(caches, relevant), _index(gates, relevant))  # fmt: skip
 
