@@ -10,7 +10,7 @@ like documents, each a context and four one-token choices (lm-eval's 4 requests,
 only (worker.score), after loading and a warm-up job, from a barrier to the last rank's results. The group runs
 both kernels on one ring, alternating; the anchor and the group alternate too, and each keeps its best of
 --repeat. "overlap": each send on a stream of its own while the next micro-batch computes
-(worker.split.stages.OVERLAP). Every run must agree with the anchor within 1e-5. Busy: the share of the job each rank spent computing
+(worker.split.stages.OVERLAP). Every run must agree with the anchor within 1e-5 (the tensor split within 1e-4), else the bench exits 1. Busy: the share of the job each rank spent computing
 (worker.split.stages.CLOCK), the rest waiting in transfers. Generation: --gen-rows distinct prompts, and as many
 few-shot prompts (one --shot-tokens prefix shared by all, each its own --tokens question: its KV computed once
 per job, the store holding no earlier copy), greedy, --new-tokens each, texts compared with the anchor's. Capture
@@ -314,6 +314,11 @@ def report(args, runs: dict, best: dict, weights_mb: float, elapsed: float) -> N
         print(f"| {name:<46} | {row['seconds']:6.2f} | {all_runs:>12} | {base['seconds'] / row['seconds']:8.2f}x | {busy:<13} |")
     dp = best["2 unsplit workers, data parallel"]["seconds"]
     print(f"pipelined group of 2 vs 2 data-parallel workers: {dp / best['1 group of 2, pipelined']['seconds']:.2f}x (target >= 0.85)")
+    wrong = [what for what, bad in (("log-likelihoods (> 1e-5)", worst > 1e-5), ("the tensor split's (> 1e-4)", worst_tensor > 1e-4),
+                                    ("generated texts", any(n < total for n, total in zip(same, (args.gen_rows, args.gen_rows, args.grid_docs // 2)))),
+                                    ("captured rows or grid numbers (> 1e-5)", max(worst_cap, worst_grid) > 1e-5)) if bad]  # fmt: skip
+    if wrong:
+        sys.exit(f"runs disagree with their anchors: {', '.join(wrong)}")
 
 
 def generations(n: int, tokens: int, vocab: int, new: int, seed: int = 1, shots: int = 0) -> list:

@@ -6,10 +6,10 @@ What a user would type on one machine: `driver run --address local --threads 1 -
 written here and testbed's offline tasks (`orchard_mc`: four-choice questions with 3 few-shot examples, so
 prefix families; `--tasks orchard_mc,orchard_gen` adds greedy generation), once unsplit and once as one
 pipeline group of 2 (two rank processes, a ring over 127.0.0.1). Each run has its own result cache (nothing is
-read from a cache). The two alternate (1, 2, 1, 2, ...) and each keeps its best of --repeat; compared by the
+read from a cache). The two alternate (1, 2, then 2, 1, ...) and each keeps its best of --repeat; compared by the
 run summary's `scoring_s` (the executor's scoring phase: Ray start-up, ring forming and loading excluded) and
-by wall time. The runs' lm-eval numbers must agree (the summaries' results are compared). No core pinning: with
---threads 1 the unsplit worker uses one core and the group's ranks one each, as K Macs would.
+by wall time. Every run's lm-eval results (results_*.json) must equal the first one's, else the bench exits 1.
+No core pinning: with --threads 1 the unsplit worker uses one core and the group's ranks one each, as K Macs would.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,12 +68,15 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; random llama hidden {args.hidden} x "
           f"{args.layers} layers; {args.docs} documents of {args.tasks}; batch {args.batch}", flush=True)  # fmt: skip
     runs: dict[int, list[dict]] = {1: [], 2: []}
-    for rep in range(args.repeat):
-        for size in (1, 2) if rep % 2 == 0 else (2, 1):
-            run = one_run(args, model, tasks, size, folder / f"out-{size}-{rep}")
-            runs[size].append(run)
-            print(f"  group size {size}: scoring {run['scoring_s']:.2f} s, wall {run['wall_s']:.1f} s, busy {busy(run)} "
-                  f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    try:
+        for rep in range(args.repeat):
+            for size in (1, 2) if rep % 2 == 0 else (2, 1):
+                run = one_run(args, model, tasks, size, folder / f"out-{size}-{rep}")
+                runs[size].append(run)
+                print(f"  group size {size}: scoring {run['scoring_s']:.2f} s, wall {run['wall_s']:.1f} s, busy {busy(run)} "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     same = all(r["results"] == runs[1][0]["results"] for rs in runs.values() for r in rs)
     best = {size: min(rs, key=lambda r: r["scoring_s"]) for size, rs in runs.items()}
     print("\n| run | best scoring_s | all (s) | vs unsplit | busy per rank |\n|---|---:|---:|---:|---|")
@@ -81,6 +85,8 @@ def main() -> None:
         print(f"| {label} | {b['scoring_s']:.2f} | {' '.join('%.2f' % r['scoring_s'] for r in runs[size])} | "
               f"{best[1]['scoring_s'] / b['scoring_s']:.2f}x | {busy(b)} |")  # fmt: skip
     print(f"\nlm-eval results identical across runs: {same}; load average at the end {os.getloadavg()[0]:.1f}")
+    if not same:
+        sys.exit("the runs' lm-eval results differ: a group of 2 must give the unsplit numbers")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,10 @@
 
 Two measurements on this machine, each process pinned to a core of its own with one BLAS thread (OpenBLAS
 preloaded when present), as bench_pipeline runs its ranks:
-- **stage**: one unsplit process times one micro-batch (--batch rows of --tokens tokens) through the decoder
-  blocks (the body, evaluated alone) and through the head at the scored positions (final norm, vocabulary head
-  and log-softmax of one position a row, as pipelined scoring runs it), best of --repeat; a layer's time is the
-  body's over --layers;
+- **stage**: one unsplit process times one micro-batch (--batch rows of --tokens tokens) through the body
+  (embedding, decoder blocks and final norm, evaluated alone) and through the head at the scored positions
+  (vocabulary head and log-softmax of one position a row, as pipelined scoring runs it), best of --repeat; a
+  layer's time is the body's over --layers (the embedding and the norm counted in it: a slight overestimate);
 - **link**: two processes on a real ring over 127.0.0.1 pass one micro-batch's hidden state (float32 [batch,
   tokens, hidden]) back and forth; one hand-over is half the mean round trip.
 Then worker.split.schedule.simulate (each stage runs its micro-batches in order; a hand-over costs one link, and
@@ -105,7 +105,14 @@ def _run(task: dict, folder: Path, ranks: int) -> list[dict]:
     path = folder / f"task{ranks}.pkl"
     path.write_bytes(pickle.dumps(task))
     procs = [subprocess.Popen([sys.executable, __file__, "--task", str(path), "--rank", str(r)], env=_env()) for r in range(ranks)]
-    if any(p.wait(timeout=600) for p in procs):
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:  # a failed or hung rank leaves no other behind
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(codes):
         raise SystemExit("a measuring process failed")
     return [pickle.loads(path.with_suffix(f".out{r}.pkl").read_bytes()) for r in range(ranks)]
 
@@ -125,8 +132,10 @@ def table(per_layer: float, head: float, links: dict, layers: int) -> None:
         stages = [per_layer * (layers // k + (r < layers % k)) for r in range(k)]
         stages[-1] += head
         for name, link in links.items():
-            sending = [t + link * (r < k - 1) for r, t in enumerate(stages)]  # a send holds its rank (no overlap)
-            cells = " | ".join(f"{simulate(sending, link, m) * sum(stages) / sum(sending):.3f}" for m in (8, 32, 128, 1024))
+            # a send holds its rank until the next one has the state (no overlap): the link is in the sender's stage,
+            # so the hand-over itself adds nothing more
+            sending = [t + link * (r < k - 1) for r, t in enumerate(stages)]
+            cells = " | ".join(f"{simulate(sending, 0.0, m) * sum(stages) / sum(sending):.3f}" for m in (8, 32, 128, 1024))
             print(f"| {k} | {name} ({link * 1e3:.2f} ms) | {cells} |")
 
 

@@ -4,7 +4,7 @@
 the ring, loads its share of every model in `models` ({name: folder}; worker.load.load with the group) and runs
 every (name, Job, requests[, Batching]) of `work` through worker.jobs.run, in the same order, as a group's ranks
 do. Returns each rank's report: its layers and peak memory per model, results (a job that raised gives
-"error: <message>"), `clock`, its pipelined busy and waiting time (worker.split.stages.CLOCK), per job the
+"error: <message>"), `clock`, its pipelined busy and waiting time (worker.split.stages.CLOCK), `overlap` (whether its sends ran on a stream of their own), per job the
 collectives it called (`collectives`: all_sum, all_gather, ... counted), its pipelined busy seconds (`busy`) and
 its prefix store's (hits, extended, misses) (`lookups`) and entries after it (`entries`: (tokens, the id of the
 stored KV) each), and per model its prefix store's counters after the work (worker.prefix_cache).
@@ -128,7 +128,7 @@ def main(task_path: str, rank: int) -> None:
     from worker.prefix_cache import store
     from worker.spec import ModelSpec
     from worker.split import join, peak_memory_gb
-    from worker.split.stages import CLOCK
+    from worker.split.stages import CLOCK, OVERLAP
 
     task = pickle.loads(Path(task_path).read_bytes())
     grouping = task["grouping"]
@@ -151,7 +151,7 @@ def main(task_path: str, rank: int) -> None:
     cascade = {name: getattr(lm.model, "_orchard_cascade", None) for name, lm in models.items()}  # its verdict, if asked
     stores = {name: store(lm).stats() for name, lm in models.items()}
     report = {"rank": rank, "layers": layers, "load_peak_gb": load_peak, "peak_gb": peak_memory_gb(),
-              "weights_bytes": held, "results": results, "cascade": cascade, "clock": CLOCK, "prefix_store": stores,
+              "weights_bytes": held, "results": results, "cascade": cascade, "clock": CLOCK, "overlap": OVERLAP, "prefix_store": stores,
               "collectives": collectives, "busy": busy, "lookups": lookups, "entries": entries}  # fmt: skip
     (Path(task_path).parent / f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
 

@@ -180,23 +180,21 @@ def test_run_summaries_report_the_prefix_stores(capsys):
 NOISE = ("PyTorch was not found", "aggregation is not", "higher_is_better is not", "fatal:", "1 workers", "Traceback")
 
 
-def driver_env(tmp_path, hide_torch: bool = False) -> dict:
+def driver_env(tmp_path) -> dict:
+    """This process's environment, offline; torch stays hidden from the child, as on a user's install (conftest's
+    `_children_without_torch` puts testbed/notorch on PYTHONPATH for every process the tests start)."""
     import os
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "PYTEST_"))}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0")
-    if hide_torch:  # as on a fresh install without the test extras (conftest hides it from every child anyway)
-        from conftest import NO_TORCH
-
-        env["PYTHONPATH"] = str(NO_TORCH)
     return env
 
 
-def driver(tmp_path, *args: str, hide_torch: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+def driver(tmp_path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m driver ARGS` in `tmp_path` (not a git repository), offline, output captured."""
     return subprocess.run(
         [sys.executable, "-m", "driver", *map(str, args)], capture_output=True, text=True, cwd=tmp_path,
-        env=driver_env(tmp_path, hide_torch), timeout=timeout,
+        env=driver_env(tmp_path), timeout=timeout,
     )  # fmt: skip
 
 
@@ -230,7 +228,7 @@ def _metric(table: str, task: str, metric: str) -> float:
 def test_demo_runs_the_real_model_and_its_numbers_mean_something(tmp_path):
     """The demo on TinyStories-260K: the coherent continuation is picked far above chance (1 in 4), short stories
     have a sane perplexity (a random-weight model: ~1e8 words), most sentences are finished with the right word."""
-    proc = driver(tmp_path, "demo", "--workers", "1", "--dir", tmp_path / "demo", hide_torch=True)
+    proc = driver(tmp_path, "demo", "--workers", "1", "--dir", tmp_path / "demo")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _metric(proc.stdout, "tinystories_mc", "acc") >= 0.6
     assert _metric(proc.stdout, "tinystories_mc", "acc_norm") >= 0.6
@@ -272,7 +270,7 @@ def test_a_run_is_quiet_about_what_the_user_cannot_change(llama_path, tasks_dir,
     out), no git `fatal:` outside a repository, and "1 worker", in a real run without PyTorch."""
     proc = driver(
         tmp_path, "run", "--model", llama_path, "--tasks", "orchard_ppl", "--include-path", tasks_dir, "--workers", "1",
-        "--limit", "1", "--output-path", tmp_path / "out", hide_torch=True,
+        "--limit", "1", "--output-path", tmp_path / "out",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on 1 worker on 1 node" in proc.stdout

@@ -1,6 +1,8 @@
 """Conditional (CAST) steering on worker groups, on REAL mx.distributed rings of local processes (127.0.0.1, no Ray):
-pipeline rings of K = 2 and 3 with every condition layer on an earlier rank than the layer it steers (K = 3: a rank
-in between passes the decisions on, worker.split.pipeline), and a tensor ring of 2 (every rank runs every layer).
+pipeline rings of K = 2 and 3 where the single intervention's condition layer sits on an earlier rank than the layer
+it steers (jobs ll, gen, gen_family; K = 3: a rank in between passes the decisions on, worker.split.pipeline) or on
+a rank before the last, which answers (ll_early, gen_early); the two interventions' layers fall as the split puts
+them (at K = 2 each is decided and steered on one rank); and a tensor ring of 2 (every rank runs every layer).
 Each job's numbers equal the unsplit conditional run's (pipeline <= 1e-5, tensor <= 1e-4; texts identical) and so
 do the fired flags, from the rank that answers (pipeline: the last, the others hold None; tensor: rank 0):
 loglikelihood and generation, short prompts and few-shot rows sharing a prefix (run once per combination of
@@ -18,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from testbed.ring import run_split
-from tests.test_steer_condition import ALPHA, PROMPTS, SHOTS, between, cast_rule, direction, ids, lm  # noqa: F401  fixtures
-from tests.test_steer_condition_share import A_COND, _b_sims, _condition, _two, _vector
+from test_steer_condition import ALPHA, PROMPTS, SHOTS, between, cast_rule, direction, ids, lm  # noqa: F401  fixtures
+from test_steer_condition_share import A_COND, _b_sims, _condition, _two, _vector
 from worker.generate import GenRequest
 from worker.jobs import run
 from worker.spec import Batching, Grouping, Intervention, Job, Steering
@@ -56,8 +58,9 @@ def _one(direction, threshold: float, layer: int) -> Steering:
 
 
 def _work(size: int, config: dict, rows, settings) -> list[tuple]:
-    """(label, job, requests, batching): each condition layer on an earlier rank than the layer it steers (one on
-    the last rank, or `early`: one the last rank lacks)."""
+    """(label, job, requests, batching): the single intervention steers the last rank's first layer, decided on an
+    earlier rank (`early`: steers layer 2, which the last rank lacks); the two interventions as in
+    test_steer_condition_share."""
     direction, one, ta, tb = settings
     short, shots = rows
     single, two = _one(direction, one, pipeline_ranges(config, size)[-1][0]), _two(direction, ta, tb)

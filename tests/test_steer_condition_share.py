@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.test_steer_condition import ALPHA, PROMPTS, SHOTS, between, cast_rule, direction, gate, ids, lm  # noqa: F401  fixtures
+from test_steer_condition import ALPHA, PROMPTS, SHOTS, between, cast_rule, direction, gate, ids, lm  # noqa: F401  fixtures
 from worker.generate import GenRequest
 from worker.hooks import condition_share
 from worker.jobs import run

@@ -30,10 +30,16 @@ def chosen_lines(size: int | str, split: str, found: Grouping) -> list[str]:
 
 
 def tell_chosen(size: int | str, split: str, found: Grouping) -> None:
+    tell(chosen_lines(size, split, found))
+
+
+def tell(lines: list[str]) -> None:
+    """What auto chose, on stderr, unless --quiet."""
     from driver.lm.quiet import quiet
 
-    for line in chosen_lines(size, split, found) * (not quiet()):
-        print(line, file=sys.stderr)
+    if not quiet():
+        for line in lines:
+            print(line, file=sys.stderr)
 
 
 def share_fits(need_gb: float, size: int, have_gb: float) -> bool:

@@ -101,8 +101,7 @@ def _grouping(plan, flags: tuple, workers: str, address: str | None, sweep_file:
     folder = tokenizer_folder(pretrained, plan.model_args.get("revision"))
     try:
         found = for_command(size, split, workers, model=pretrained, folder=folder, address=address)
-        for picked in (lambda c: c.head is not None, lambda c: c.steering.conditional):  # head and CAST steering on groups
-            check_heads_split(next((c.steering for c in plan.grid if picked(c)), None), found)
+        check_heads_split(next((c.steering for c in plan.grid if c.head is not None), None), found)
     except BadUsage as e:
         if any(flag is not None for flag in flags):
             raise  # a flag's value: the command line (exit 2)

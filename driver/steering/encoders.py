@@ -14,14 +14,13 @@ features instead."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from driver.steering.saes import Sae, SaeError, hookpoint_name, read_sae, site_problem
+from driver.steering.saes import Sae, SaeError, hookpoint_name, read_cfg, read_sae, site_problem
 
 __all__ = ["Encoder", "read_encoder", "ranking_encoder", "capture_requests", "prompt_weights", "per_prompt", "ranked"]
 
@@ -118,13 +117,7 @@ class Encoder:
 
 def _cfg(sae: Sae) -> dict:
     path = sae.path / "cfg.json"
-    if sae.layout == "goodfire" or not path.is_file():
-        return {}
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SaeError(f"{path}: not a readable JSON config ({type(e).__name__}: {e})") from None
-    return cfg if isinstance(cfg, dict) else {}
+    return {} if sae.layout == "goodfire" or not path.is_file() else read_cfg(path)
 
 
 def _tensors(file: Path) -> dict[str, list[int]]:

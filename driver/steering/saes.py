@@ -124,7 +124,8 @@ def _header(file: Path, key: str, bias: str) -> tuple[tuple, np.ndarray | None]:
         raise SaeError(f"{file}: not a readable .safetensors file of float tensors ({type(e).__name__}: {e})") from None
 
 
-def _cfg(path: Path) -> dict:
+def read_cfg(path: Path) -> dict:
+    """An SAE's cfg.json as a dict; anything else is one SaeError line naming the file."""
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -174,7 +175,7 @@ def read_sae(path: str | Path, hookpoint: str | None = None) -> Sae:
     if not path.is_dir():
         raise SaeError(f"{path}: no such SAE folder (Orchard reads SAEs from local folders: download it first)")
     if (path / "sae_weights.safetensors").is_file():
-        cfg = _cfg(path / "cfg.json") if (path / "cfg.json").is_file() else {}
+        cfg = read_cfg(path / "cfg.json") if (path / "cfg.json").is_file() else {}
         return _checked(path, "sae_lens", path / "sae_weights.safetensors", _hook_name(cfg), _head_index(cfg))
     if (path / "sae.safetensors").is_file():
         return _checked(path, "sparsify", path / "sae.safetensors", path.name if site_of(path.name) else None)

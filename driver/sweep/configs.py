@@ -308,16 +308,19 @@ def measure_features(sweep, lm, echo=print) -> dict[int, list[dict]]:
     todo = {c: m for c, config in enumerate(sweep.configs) if (m := _measured(sweep, config))}
     if todo:
         echo(f"sweep: measuring the steered feature's activation under {len(todo)} configurations")
-    out, plain = {}, {}
+    out, read, plain, before = {}, {}, {}, {}  # per SAE source: its prompts' tokens; per place: the unsteered capture
     for c, (at, feature) in todo.items():
-        requests, owners = _requests(lm, at.prompts)
-        point = f"{at.site}.{at.layer}"
-        if (point, at.file) not in plain:
-            plain[(point, at.file)] = _capture(lm, NO_STEERING, [point], requests)[:, 0]
-        values = [per_prompt(at.encoder.feature(x, feature), owners) for x in (_capture(lm, sweep.configs[c].steering, [point], requests)[:, 0],
-                                                                             plain[(point, at.file)])]  # fmt: skip
-        (value, stderr), (before, _) = (mean_stderr(v) for v in values)
-        ok = bool(np.isfinite(values[0]).all())
+        point, place = f"{at.site}.{at.layer}", (f"{at.site}.{at.layer}", at.file)
+        if at.file not in read:
+            read[at.file] = _requests(lm, at.prompts)
+        requests, owners = read[at.file]
+        if place not in plain:
+            plain[place] = _capture(lm, NO_STEERING, [point], requests)[:, 0]
+        if (place, feature) not in before:  # the unsteered value, once per feature (a top-k encoder reads W_enc)
+            before[place, feature] = mean_stderr(per_prompt(at.encoder.feature(plain[place], feature), owners))[0]
+        steered = _capture(lm, sweep.configs[c].steering, [point], requests)[:, 0]
+        values = per_prompt(at.encoder.feature(steered, feature), owners)
+        (value, stderr), ok = mean_stderr(values), bool(np.isfinite(values).all())
         out[c] = [{"task": Path(at.file).stem, "metric": FEATURE_ACTIVATION, "value": value if ok else None, "stderr": stderr if ok else None,
-                   "n": len(values[0]), "delta": value - before if ok else None, "error": None if ok else "non-finite activation"}]  # fmt: skip
+                   "n": len(values), "delta": value - before[place, feature] if ok else None, "error": None if ok else "non-finite activation"}]  # fmt: skip
     return out

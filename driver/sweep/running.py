@@ -18,7 +18,6 @@ A configuration whose scores are non-finite is set aside (driver.sweep.grid) and
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from worker.spec import Grouping
 
+from driver.checks.groups import tell
 from driver.sweep import fluency
 from driver.sweep.grid import run_grids
 from driver.sweep.configs import measure_features
@@ -97,8 +97,7 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         if value is not None:
             args[name] = value
     lm = open_model(args)
-    for line in notes:  # what auto chose: said once the workers start, so a refusal stays one line
-        print(line, file=sys.stderr)
+    tell(notes)  # what auto chose: said once the workers start, so a refusal stays one line
     try:
         if sweep.tops:  # `top: K`: the features each SAE ranks highest on its prompts, captured on the workers
             choose_top(sweep, lm, echo)

@@ -37,6 +37,7 @@ from typing import Any
 
 from ..load import LoadedModel
 from ..spec import Batching, Steering, SteeringError
+from ..split import stages
 from . import pipelined
 from .generation import grid_generate
 from .loglikelihood import GRID_BLOCK, grid_loglikelihood
@@ -65,7 +66,7 @@ def run_grid(
         raise SteeringError("a grid of configurations cannot hold conditional steering yet: run each as its own job")
     configs, owner = distinct(steerings)
     batching = batching or Batching()
-    if pipelined.pipelines(lm):  # a pipeline group: (configuration, batch) micro-batches
+    if stages.pipelined(lm):  # a pipeline group: every kind runs (configuration, batch) micro-batches
         out = pipelined.run(lm, kind, configs, requests, batching)
     else:
         out = (grid_loglikelihood if kind == "loglikelihood" else grid_generate)(lm, configs, requests, batching)

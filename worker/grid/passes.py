@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..hooks import Hook, decoder_layers
+from ..hooks.manager import splits_at_prompt
 from ..load import LoadedModel
 from ..score import _broadcast
 from ..spec import Steering, head_shape
@@ -212,7 +213,7 @@ def _installs(lm: LoadedModel, steerings: Sequence[Steering]) -> list[list[tuple
 
 def splits_prompt(installs: Sequence[list[tuple[str, Hook]]]) -> bool:
     """Whether any configuration's hooks treat prompt and continuation positions differently (rows then split there)."""
-    return any(getattr(op, "positions", "all") in ("prompt", "continuation") for install in installs for _, op in install)
+    return splits_at_prompt(op for install in installs for _, op in install)
 
 
 def _split_of(install: list[tuple[str, Hook]], n_layers: int) -> int:

@@ -47,12 +47,6 @@ from ..steer import side_by_side
 from .passes import _installs, splits_prompt
 
 
-def pipelines(lm: LoadedModel) -> bool:
-    """Whether grid jobs run pipelined here: on a pipeline group, every kind (scoring and generation, prompts
-    sharing a prefix or not)."""
-    return stages.pipelined(lm)
-
-
 def run(lm: LoadedModel, kind: str, steerings: Sequence, requests: Sequence, batching: Batching) -> list[list]:
     """Results per request per configuration ([request][configuration]); None on every rank but the last."""
     installs = _installs(lm, steerings)

@@ -4,7 +4,7 @@ hook exists at its layer (`missing`) and ran (`installed`)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,6 +70,11 @@ class HookContext:
     rows: Rows
 
 
+def splits_at_prompt(hooks: Iterable[Any]) -> bool:
+    """Whether any of `hooks` treats prompt and continuation positions differently (rows then split there)."""
+    return any(getattr(f, "positions", "all") in ("prompt", "continuation") for f in hooks)
+
+
 class HookManager:
     """Named hook lists; kernels set `rows` around each forward with `manager.forward(rows)`.
 
@@ -126,7 +131,7 @@ class HookManager:
     @property
     def splits_prompt(self) -> bool:
         """Whether a registered hook treats prompt and continuation positions differently."""
-        return any(getattr(f, "positions", "all") in ("prompt", "continuation") for fs in self._hooks.values() for f in fs)
+        return splits_at_prompt(f for fs in self._hooks.values() for f in fs)
 
     @contextlib.contextmanager
     def forward(self, rows: Rows) -> Iterator[None]:

@@ -203,12 +203,3 @@ def passing(model: Any, pipe: Pipe) -> Iterator[Pipe]:
     finally:
         for block in blocks:
             block._orchard_pipe = None
-
-
-def shared_rows(group: "mx.distributed.Group", outs: list, h: mx.array, rows: int) -> mx.array:
-    """Captured [rows, points, hidden] float32 on every rank: each point's rows from the rank owning its layer
-    (None elsewhere: zeros there, so the all_sum is exact). The forward runs to its end first, in its own eval,
-    so every rank's sends are done and the collectives pair in the same order on every rank."""
-    mx.eval(h, [o for o in outs if o is not None])
-    filled = [o if o is not None else mx.zeros((rows, h.shape[-1]), mx.float32) for o in outs]
-    return mx.distributed.all_sum(mx.stack(filled, axis=1), group=group)

@@ -105,12 +105,12 @@ def timed(what: str, arrays: list) -> None:
 @dataclass
 class _Rank:
     """One rank's run of the plan: the micro-batch built now (its body output, what its blocks handed over, the
-    rows received), and the micro-batches whose hidden state this rank sends on (`sends`)."""
+    rows received), and whether this rank sends its hidden states on (`sends`: every micro-batch's or none)."""
 
     group: Any
     micros: list
     collect: Callable[[Any], None]
-    sends: set
+    sends: bool
     pipe: Pipe = field(default_factory=Pipe)
     built: int = -1
     hidden: Any = None
@@ -138,7 +138,7 @@ class _Rank:
             self.rows = mx.distributed.recv_like(self.rows, step.peer, group=self.group)
             timed("wait", [self.rows])
         elif step.op == "forward":  # the layers as far as the plan needs them: to the send, or the kept arrays
-            timed("busy", [pipe.out] * (step.micro in self.sends) + self.kept)
+            timed("busy", [pipe.out] * self.sends + self.kept)
         elif step.op == "send" and OVERLAP:
             self.drain()
             self.sending = mx.distributed.send(pipe.out, step.peer, group=self.group, stream=_comm_stream())
@@ -181,7 +181,7 @@ def run(lm: Any, micros: list[Micro], collect: Callable[[Any], None], reach: int
     rank, size = group.rank(), group.size()
     rows = any(m.rows is not None for m in micros)
     steps = rank_steps(rank, size, len(micros), rows=rows, reach=reach)
-    state = _Rank(group, micros, collect, {s.micro for s in steps if s.op == "send"})
+    state = _Rank(group, micros, collect, any(s.op == "send" for s in steps))
     with passing(lm.model, state.pipe):
         for step in steps:
             state.step(step)
