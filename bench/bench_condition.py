@@ -12,7 +12,8 @@ a job. Rows, each against the anchor measured in this process, interleaved (ABC 
                   (target <= 1.1x); and, for scale, the unconditional add with prefix sharing off (what a
                   conditional job cost before it shared its prefixes per decision: worker.hooks.condition_share).
                   With --interventions 2, a second add at the layer above, conditioned at the middle layer, joins
-                  each variant (a conditional job then runs each shared prefix 4 times: one per combination).
+                  each variant (a conditional job then needs each shared prefix 4 ways, one per combination: the
+                  blocks below layer 2 once, block 2 per first decision, block 3 per combination).
   generate        greedy generation of --gen-tokens tokens on the first --gen-prompts contexts: the same rows.
 
 The worker's prefix store (worker.prefix_cache) is emptied before every timed run: generation keeps unconditional

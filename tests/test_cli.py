@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from driver.cli import main
 from testbed import inproc
 from testbed.inproc import Completed
+from testbed.waiting import until
 
 
 def run(code: int, *args: str):
@@ -360,9 +361,7 @@ def test_sigterm_stops_a_run_like_ctrl_c(llama_path, tasks_dir, tmp_path, comman
     proc = subprocess.Popen([sys.executable, "-m", "driver", *map(str, args)], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while not (tmp_path / "out" / "cache" / "results.sqlite").exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        until(lambda: (tmp_path / "out" / "cache" / "results.sqlite").exists() or proc.poll() is not None, 300, 0.2)
         time.sleep(1.0)  # Ray is up and its worker is loading or generating
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGTERM)

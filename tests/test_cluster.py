@@ -34,6 +34,7 @@ TASKS = ["orchard_mc", "orchard_ppl", "orchard_gen"]
 MC = ["orchard_mc"]  # 48 loglikelihood requests: enough chunks for the fault tests
 MODEL_ARGS = {"max_length": 64, "batch_size": 4, "max_batch_tokens": 128}  # small chunks: many per run
 from conftest import NODE  # noqa: E402
+from testbed.waiting import until  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -268,10 +269,7 @@ def test_a_node_removed_mid_run_loses_nothing(ray_cluster, llama_path, tasks, re
         gate.touch()
         seen["finished_at_cut"] = _rows(cache)
         ray_cluster.remove_node(victim, allow_graceful=False)
-        deadline = time.monotonic() + 60
-        while lost in lm.executor.pool.alive and time.monotonic() < deadline:
-            time.sleep(0.02)
-        seen["lost_before_the_end"] = lost not in lm.executor.pool.alive
+        seen["lost_before_the_end"] = until(lambda: lost not in lm.executor.pool.alive, 60, 0.02)
         seen["finished_when_lost"] = _rows(cache)
         gate.unlink()
 

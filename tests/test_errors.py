@@ -34,6 +34,7 @@ import pytest
 
 from testbed import inproc
 from testbed.inproc import Completed
+from testbed.waiting import until
 
 TIMES: list[tuple[str, str, int, float]] = []  # (group, case, exit code, seconds to the error)
 
@@ -793,9 +794,7 @@ def test_workers_lost_mid_run_are_named_and_finished_work_stays_cached(cluster: 
     proc = subprocess.Popen(argv, env=env, cwd=world.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed: list[int] = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None and not (cache.exists() and _rows(cache) > 0):
-            time.sleep(0.02)
+        until(lambda: proc.poll() is not None or (cache.exists() and _rows(cache) > 0), 180, 0.02)
         killed = _worker_pids(cluster.root)
         for pid in killed:
             os.kill(pid, signal.SIGKILL)

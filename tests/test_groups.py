@@ -24,7 +24,7 @@ from ray import cloudpickle  # noqa: E402
 from cluster import ClusterError  # noqa: E402
 from cluster.groups import GroupRank  # noqa: E402
 from driver.lm.mlx_ray import MLXRayLM  # noqa: E402
-from testbed.waiting import until_empty  # noqa: E402
+from testbed.waiting import until, until_empty  # noqa: E402
 
 from test_cluster import MC, MODEL_ARGS, TASKS, assert_same, evaluate, reference, run_ray, tasks  # noqa: E402,F401  the same runs
 
@@ -61,10 +61,8 @@ def open_lm(llama_path, model=MLXRayLM, **args):
 def free_units(want: int = 4, wait: float = 60.0) -> float:
     """The cluster's free `mlx` units, waiting up to `wait` s for them to come back to `want` (at once when idle;
     a loaded machine takes its time to end the processes that held them)."""
-    deadline = time.monotonic() + wait
-    while (free := ray.available_resources().get("mlx", 0)) < want and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return free
+    until(lambda: ray.available_resources().get("mlx", 0) >= want, wait, 0.2)
+    return ray.available_resources().get("mlx", 0)
 
 
 def alive_ranks() -> list:
@@ -147,9 +145,7 @@ def _hold_until(lm, gate, pid: int | None, over, cut=None, wait: float = 60.0):
             cut()
         else:
             os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + wait
-        while not over(lm.executor.pool) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: over(lm.executor.pool), wait, 0.05)
         gate.unlink()
 
     return action
@@ -225,9 +221,7 @@ def test_a_group_whose_node_is_gone_waits_for_a_node_and_re_forms_when_one_comes
 
     def cut_then_come_back():
         ray_cluster.remove_node(victim, allow_graceful=False)
-        deadline = time.monotonic() + 30
-        while lost not in pool.reforms and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: lost in pool.reforms, 30, 0.05)
         time.sleep(4.0)  # four placement timeouts: group 0 is alive, so the slot keeps waiting for its nodes
         waited.append(lost in pool.reforms and pool.reforms[lost].step == "place" and not any("not re-formed" in r for r in pool.reasons))
         # The Mac is back, started from this thread (the main one is in the run): Ray's node sets a SIGTERM handler,

@@ -5,9 +5,10 @@ loopback cluster, whose driver forwards worker output)."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
+
+from testbed.waiting import until
 
 ray = pytest.importorskip("ray")
 
@@ -38,10 +39,7 @@ def _chatty(text: str) -> int:
 def test_worker_output_reaches_the_driver_on_stderr_only(connected, capfd):
     text = "orchard-probe-worker-output-29-1"
     assert ray.get(_chatty.remote(text)) == 1
-    deadline = time.monotonic() + 20
-    out = err = ""
-    while text not in err + out and time.monotonic() < deadline:  # the log monitor forwards within ~1 s
-        time.sleep(0.2)
-        o, e = capfd.readouterr()
-        out, err = out + o, err + e
+    seen = []  # the log monitor forwards within ~1 s
+    until(lambda: seen.append(capfd.readouterr()) or any(text in o + e for o, e in seen), 20, 0.2)
+    out, err = "".join(o for o, _ in seen), "".join(e for _, e in seen)
     assert text in err and text not in out, (out, err)

@@ -21,10 +21,21 @@ WHOLE = Batching(batch_size=16, prefix_reuse=False)
 
 @pytest.fixture
 def passes(monkeypatch):
-    """The prefix passes run (SharedPrefix.run calls): proof that the prefix was shared, not run per row."""
+    """The prefix passes run (SharedPrefix.run calls) as (variant, the bits it decides): proof that the prefix was
+    shared, not run per row."""
     calls = []
     original = condition_share.SharedPrefix.run
-    monkeypatch.setattr(condition_share.SharedPrefix, "run", lambda self, v, body: calls.append(v) or original(self, v, body))
+    monkeypatch.setattr(condition_share.SharedPrefix, "run", lambda self, v, body, mask=None: calls.append((v, mask)) or original(self, v, body, mask))
+    return calls
+
+
+@pytest.fixture
+def spans(monkeypatch):
+    """The spans of blocks the prefix passes ran, (first, past the last): proof that the blocks below a decision
+    ran once for both of its outcomes."""
+    calls = []
+    original = condition_share.advance
+    monkeypatch.setattr(condition_share, "advance", lambda lm, a, b, *rest: calls.append((a, b)) or original(lm, a, b, *rest))
     return calls
 
 
@@ -51,7 +62,7 @@ def _low(direction, condition=None) -> Steering:
 
 
 @pytest.mark.parametrize("pool", ["mean", "last"])
-def test_generation_with_a_shared_prefix_gives_what_each_whole_prompt_gives(lm, direction, pool, passes, picked):
+def test_generation_with_a_shared_prefix_gives_what_each_whole_prompt_gives(lm, direction, pool, passes, spans, picked):
     """Rows of one batch stop after 8, 12 or 16 tokens: the rows left keep their own picks."""
     reqs = [GenRequest(context=c, max_gen_toks=16 - 4 * (i % 3)) for i, c in enumerate(contexts(lm))]
     threshold = between([cast_rule(lm, c, direction, 1, pool) for c in contexts(lm)])
@@ -59,7 +70,8 @@ def test_generation_with_a_shared_prefix_gives_what_each_whole_prompt_gives(lm, 
     whole = run(lm, job, reqs, WHOLE)
     assert passes == []
     shared = run(lm, job, reqs, Batching(batch_size=5))
-    assert sorted(passes) == [0, 1]  # one family: its prefix once plain, once steered
+    assert sorted(passes) == [(0, 0), (0, 1), (1, 1)]  # one family: blocks 0-1 once, 2-4 once plain, once steered
+    assert sorted(spans) == [(0, 2), (2, 5), (2, 5)]
     assert picked.count(2) == 4  # each of the 4 batches read both variants of layers 3 and 4, once each
     plain = run(lm, Job(kind="generate"), reqs, WHOLE)
     steered_texts = run(lm, Job(kind="generate", steering=_low(direction)), reqs, WHOLE)
@@ -69,9 +81,26 @@ def test_generation_with_a_shared_prefix_gives_what_each_whole_prompt_gives(lm, 
     assert sum(p != s for p, s in zip(plain, steered_texts)) >= 8  # the steering changes what is generated
 
 
+def test_decode_steps_read_only_the_variants_the_rows_picked(lm, direction, monkeypatch):
+    """Every row fires: the prompt forwards read both variants of layers 3 and 4 (their decisions are being made),
+    every decode step only the steered one, as an unconditional steered run reads one prefix."""
+    reads = []
+    original = condition_share.Picked.read
+    monkeypatch.setattr(condition_share.Picked, "read", lambda self: reads.append(len(x := original(self))) or x)
+    reqs = [GenRequest(context=c, max_gen_toks=6) for c in contexts(lm)]
+    out = run(lm, Job(kind="generate", steering=_low(direction, gate(direction, -1.0, layers=(1,)))), reqs, Batching(batch_size=16))
+    assert all(o[1] for o in out)  # cos > -1: every row fired
+    assert [o[0] for o in out] == run(lm, Job(kind="generate", steering=_low(direction)), reqs, WHOLE)
+    prompt = reads.count(2)  # layers 3 and 4 of each prefill part's prompt forward
+    assert prompt >= 2 and reads[:prompt] == [2] * prompt and len(reads) > prompt and set(reads[prompt:]) == {1}
+
+
 # --- several conditional interventions --------------------------------------------------------------------------
 
 A_COND, A_LAYER, B_COND, B_LAYER = 1, 2, 3, 4  # B's condition reads the stream A steers
+# The prefix passes (variant, the decisions it makes: bit 0 A's, bit 1 B's): blocks 0-1 for all, 2-3 per A's
+# decision, 4 per combination of both.
+TREE = [(0, 0), (0, 1), (0, 3), (1, 1), (1, 3), (2, 3), (3, 3)]
 
 
 def _vector(seed: int) -> tuple[float, ...]:
@@ -116,13 +145,14 @@ def thresholds(lm, direction):
     return ta, tb, [x > ta or y > tb for x, y in zip(a, b)]
 
 
-def test_two_conditional_interventions_share_a_prefix_in_loglikelihood(lm, direction, thresholds, passes):
+def test_two_conditional_interventions_share_a_prefix_in_loglikelihood(lm, direction, thresholds, passes, spans):
     ta, tb, fired = thresholds
     reqs = [(c, ids(lm, " The end.")) for c in contexts(lm)]
     job = Job(kind="loglikelihood", steering=_two(direction, ta, tb))
     whole = run(lm, job, reqs, WHOLE)
     shared = run(lm, job, reqs, Batching(batch_size=6))
-    assert sorted(passes) == [0, 1, 2, 3]  # each combination of the two decisions once
+    assert sorted(passes) == TREE  # blocks 0-1 once, 2-3 per A's decision, 4 per combination of both
+    assert sorted(spans) == [(0, 2), (2, 4), (2, 4), (4, 5), (4, 5), (4, 5), (4, 5)]
     assert [w[2] for w in whole] == fired and [s[2] for s in shared] == fired
     for w, s in zip(whole, shared):
         assert abs(s[0] - w[0]) <= 1e-5 and s[1] == w[1]
@@ -134,7 +164,7 @@ def test_two_conditional_interventions_share_a_prefix_in_generation(lm, directio
     job = Job(kind="generate", steering=_two(direction, ta, tb))
     whole = run(lm, job, reqs, WHOLE)
     shared = run(lm, job, reqs, Batching(batch_size=16))
-    assert sorted(passes) == [0, 1, 2, 3]
+    assert sorted(passes) == TREE
     assert picked and all(n > 0 for n in picked)  # the variants read once each, in one cascade
     assert [w[1] for w in whole] == fired
     assert shared == whole
@@ -148,3 +178,22 @@ def test_past_max_gates_each_row_runs_its_whole_prompt(lm, direction, passes):
     job = Job(kind="loglikelihood", steering=Steering(interventions=ivs))
     assert run(lm, job, reqs, Batching()) == run(lm, job, reqs, WHOLE)
     assert passes == []
+
+
+@pytest.mark.parametrize("site", ["resid_pre", "resid_mid", "attn_out", "mlp_out", "attn_head"])
+def test_every_site_shares_the_blocks_below_it(lm, direction, site, passes, spans):
+    """A conditional add inside block 2 (layer -3 of 5), decided at layer 1: blocks 0-1 run once, 2-4 per outcome,
+    and the numbers are those of each row's whole prompt."""
+    rows = contexts(lm)
+    threshold = between([cast_rule(lm, c, direction, 1) for c in rows])
+    vector = _vector(5)[:8] if site == "attn_head" else _vector(5)  # one head's output: head_dim 8
+    iv = Intervention(layer=-3, site=site, head=0 if site == "attn_head" else None, vector=vector, alpha=ALPHA,
+                      condition=_condition(direction, 1, threshold))  # fmt: skip
+    job = Job(kind="loglikelihood", steering=Steering(interventions=(iv,)))
+    reqs = [(c, ids(lm, " The end.")) for c in rows]
+    whole = run(lm, job, reqs, WHOLE)
+    shared = run(lm, job, reqs, Batching(batch_size=6))
+    assert sorted(spans) == [(0, 2), (2, 5), (2, 5)]
+    assert 4 <= sum(w[2] for w in whole) <= 12 and [s[2] for s in shared] == [w[2] for w in whole]
+    for w, s in zip(whole, shared):
+        assert abs(s[0] - w[0]) <= 1e-5 and s[1] == w[1]

@@ -11,7 +11,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from safetensors.numpy import save_file
 from driver.sweep import outdir, plots, report, summary
 from driver.cli import main
 from testbed.inproc import session_address
+from testbed.waiting import until
 
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN = 64  # conftest's tiny llama: 2 layers, hidden 64
@@ -211,9 +211,7 @@ def test_an_interrupted_sweep_resumes_and_a_grown_grid_computes_only_new_cells(r
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 300  # polls: no cost when a row comes sooner
-        while _rows(out / "cache") == 0 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: _rows(out / "cache") > 0 or proc.poll() is not None, 300, 0.05)  # polls: no cost when a row comes sooner
         proc.send_signal(signal.SIGINT)  # Ctrl-C mid-sweep
         output, _ = proc.communicate(timeout=60)
     finally:

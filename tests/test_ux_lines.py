@@ -14,6 +14,7 @@ import pytest
 from tqdm import tqdm
 
 from driver.lm import quiet
+from testbed.waiting import until
 
 
 class Terminal(io.StringIO):
@@ -72,13 +73,10 @@ def test_a_phase_with_after_shows_only_once_it_has_lasted_that_long(capsys, monk
     monkeypatch.delenv("ORCHARD_QUIET", raising=False)
     with quiet.phase("indexing lm-eval's tasks", after=30.0):
         pass
-    err = ""
-    with quiet.phase("waiting for the workers", after=0.05):
-        deadline = time.monotonic() + 10  # the line comes from a timer thread: as soon as it runs, even under load
-        while "waiting" not in err and time.monotonic() < deadline:
-            time.sleep(0.05)
-            err += capsys.readouterr().err
-    assert err + capsys.readouterr().err == "driver: waiting for the workers\n"
+    err = []
+    with quiet.phase("waiting for the workers", after=0.05):  # the line comes from a timer thread: as soon as it runs
+        until(lambda: err.append(capsys.readouterr().err) or "waiting" in "".join(err), 10, 0.05)
+    assert "".join(err) + capsys.readouterr().err == "driver: waiting for the workers\n"
 
 
 def test_a_phase_line_while_a_bar_shows_starts_a_line_of_its_own(capsys, monkeypatch):
@@ -118,8 +116,6 @@ def test_a_transient_phase_shows_on_a_terminal_only_and_is_erased(terminal, caps
     assert capsys.readouterr().err == ""
     _on(terminal)
     with quiet.phase("checking steer.yaml", after=0.05, transient=True):
-        deadline = time.monotonic() + 10  # shown by a timer thread: wait for it, however loaded the machine
-        while "checking" not in terminal.getvalue() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: "checking" in terminal.getvalue(), 10, 0.05)  # shown by a timer thread, however loaded the machine
     print("Error: steer.yaml: ...", file=sys.stderr)
     assert terminal.getvalue() == "driver: checking steer.yaml\r\x1b[KError: steer.yaml: ...\n"

@@ -26,7 +26,7 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache
 
 Group = tuple[Any, int]  # (the prefix's KVCache of this layer, keys [1, kv, P, d], or None; rows), or variants
-# of it each row picks among (worker.hooks.condition_share.Picked: `caches`, `rows()`, `kept(local)`)
+# of it each row picks among (worker.hooks.condition_share.Picked: `read()`, `rows()`, `kept(local)`)
 AGREE = 1e-4  # the self-check's tolerance on logits (float rounding is ~1e-6)
 LOG2E = 1.4426950408889634  # scores are taken in base 2 (log2(e) folded into the scale, as flash attention does):
 # on MLX's CPU backend mx.power(2, x) ran 3x faster than mx.exp(x) (6.7 vs 19 ms for 1.9M floats), and the
@@ -130,7 +130,7 @@ def _prefix_parts(qf: mx.array, groups: list[Group], kv: int, dv: int) -> tuple[
         if kv_cache is None:  # rows sharing no prefix: an empty part
             parts.append((mx.full((n, H, L, 1), -mx.inf), mx.zeros((n, H, L, 1)), mx.zeros((n, H, L, dv))))
         elif hasattr(kv_cache, "rows"):  # variants (condition_share.Picked): each read once, each row keeping its own
-            variants = [_group_part(q, c, kv) for c in kv_cache.caches]
+            variants = [_group_part(q, c, kv) for c in kv_cache.read()]
             which = kv_cache.rows().reshape(n, 1, 1, 1)
             part = variants[0]
             for j, other in enumerate(variants[1:], 1):

@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 
 from .hooks import Rows
-from .hooks.condition_share import SharedPrefix, broadcast_kv, conditional_gates, shareable, shared_prefix
+from .hooks.condition_share import SharedPrefix, broadcast_kv, conditional_gates, grown_prefix, shareable, shared_prefix
 from .spec import Batching
 from .split import stages
 
@@ -198,11 +198,12 @@ def _prefix_cache(lm, tokens: Sequence[int]) -> list | None:
 
 def _family_cache(lm, tokens: Sequence[int]) -> list | SharedPrefix | None:
     """The family's shared prefix cache; under conditional steering one per combination of decisions, each row
-    reading its own (worker.hooks.condition_share). None: no sharing."""
+    reading its own, grown from the blocks they share where the model runs in slices (worker.hooks.condition_share).
+    None: no sharing."""
     gates = conditional_gates(lm.hooks)
     if not gates:
         return _prefix_cache(lm, tokens)
-    return shared_prefix(gates, lambda: _prefix_cache(lm, tokens))
+    return grown_prefix(lm, gates, tokens) or shared_prefix(gates, lambda: _prefix_cache(lm, tokens))
 
 
 def _broadcast(prefix_cache: list | SharedPrefix, batch: int) -> list:

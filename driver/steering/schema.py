@@ -74,15 +74,13 @@ VectorField = Annotated[
 ]
 
 
-class ConditionSpec(BaseModel):
-    """CAST's condition as written: steer a row only when its prompt's pooled input of `layers` passes
-    (`worker.spec.Condition` says the rule); `vector` is written as an intervention's is."""
+class ConditionFields(BaseModel):
+    """Where and how a condition reads its direction: what a steering spec's `condition:` and a sweep's share."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     vector: VectorField
     layers: tuple[StrictInt, ...] = Field(min_length=1)
-    threshold: float = Field(strict=True, allow_inf_nan=False)
     compare: Literal["greater", "smaller"] = "greater"
     pool: Literal["mean", "last"] = "mean"
 
@@ -90,6 +88,13 @@ class ConditionSpec(BaseModel):
     @classmethod
     def _path(cls, v: Any) -> Any:
         return _fspath(v)
+
+
+class ConditionSpec(ConditionFields):
+    """CAST's condition as written: steer a row only when its prompt's pooled input of `layers` passes
+    (`worker.spec.Condition` says the rule); `vector` is written as an intervention's is."""
+
+    threshold: float = Field(strict=True, allow_inf_nan=False)
 
 
 class AnyOf(BaseModel):

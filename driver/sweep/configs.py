@@ -176,19 +176,27 @@ def _vector_names(spec: SweepFile, where: str, chosen: dict) -> list[str]:
     return out
 
 
+def feature_of(spec: SweepFile, name: str) -> tuple[str, int] | None:
+    """(NAME, N) for a vector named NAME-fN, feature N of the SAE source NAME (the features axis), else None."""
+    base, sep, feature = name.rpartition("-f")
+    if name in spec.vectors or not sep or not feature.isdigit() or base not in spec.vectors or spec.vectors[base].sae is None:
+        return None
+    return base, int(feature)
+
+
 def _steers_at(spec: SweepFile, name: str, at: tuple, chosen: dict) -> bool:
     """Whether vector `name` is in the grid at `at` = (site, layer, head): a `top` feature only where it was chosen."""
-    base, _, feature = name.rpartition("-f")
-    if name in spec.vectors or spec.vectors[base].top is None:
+    found = feature_of(spec, name)
+    if found is None or spec.vectors[found[0]].top is None:
         return True
-    return int(feature) in chosen.get((base, *at[:2]), ())
+    return found[1] in chosen.get((found[0], *at[:2]), ())
 
 
 def _source(spec: SweepFile, name: str) -> VectorSource:
-    """The source of a vector name; NAME-fN is feature N of the SAE source NAME (the features axis)."""
-    base, _, feature = name.rpartition("-f")
-    if name not in spec.vectors and base in spec.vectors and spec.vectors[base].sae is not None:
-        return spec.vectors[base].model_copy(update={"features": (int(feature),)})
+    """The source of a vector name (NAME-fN: NAME's, for feature N alone)."""
+    found = feature_of(spec, name)
+    if found is not None:
+        return spec.vectors[found[0]].model_copy(update={"features": (found[1],)})
     return spec.vectors[name]
 
 
@@ -222,12 +230,14 @@ def _config(name: str, at: tuple, op: str, positions: str, alpha: float | None, 
     return Config(cid, steering, name, site, layer, op, positions, alpha, record, head, threshold)
 
 
-def grid_configs(spec: SweepFile, layers: list[int], heads: list[int], model: Model, base: Path, where: str, chosen: dict) -> list[Config]:
+def grid_configs(spec: SweepFile, layers: list[int], heads: list[int], model: Model, base: Path, where: str, chosen: dict,
+                 loaded: dict | None = None) -> list[Config]:  # fmt: skip
     """The baseline, then every configuration of the grid (heads innermost, at a head site only; thresholds
-    innermost of all); `top` sources only at the features `chosen` for each place."""
+    innermost of all); `top` sources only at the features `chosen` for each place. `loaded`: the vectors read by
+    an earlier call, {(name, place): ...} (a `top` sweep expands again once its features are chosen)."""
     g = spec.grid
     configs = [Config(BASELINE, NO_STEERING)]
-    loaded: dict[tuple, tuple[Intervention, dict]] = {}
+    loaded = {} if loaded is None else loaded
     for name, site, op, positions, layer in itertools.product(_vector_names(spec, where, chosen), g.sites, g.ops, g.positions, layers):
         for head in heads if site in HEAD_SITES else [None]:
             at = (site, layer, head)
@@ -292,9 +302,11 @@ FEATURE_ACTIVATION = "feature_activation"
 
 def _measured(sweep, config) -> tuple[Any, int] | None:
     """(the TopAt of the SAE source `config` steers a feature of, at its place, the feature), or None."""
-    base, _, feature = (config.vector or "").rpartition("-f")
-    at = next((t for t in sweep.tops if (t.name, t.site, t.layer) == (base, config.site, config.layer)), None)
-    return (at, int(feature)) if at is not None and feature.isdigit() and not config.steering.conditional else None
+    found = feature_of(sweep.spec, config.vector or "")
+    if found is None or config.steering.conditional:
+        return None
+    at = next((t for t in sweep.tops if (t.name, t.site, t.layer) == (found[0], config.site, config.layer)), None)
+    return (at, found[1]) if at is not None else None
 
 
 def measure_features(sweep, lm, echo=print) -> dict[int, list[dict]]:

@@ -225,7 +225,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     c = spec.condition
     condition = None if c is None else {**c.model_dump(mode="json"), "threshold": spec.grid.thresholds[0]}
     model = Model(config, m.dtype, shape[0], shape[1], condition)
-    expand = functools.partial(grid_configs, spec, layers, heads, model, base, where)
+    expand = functools.partial(grid_configs, spec, layers, heads, model, base, where, loaded={})  # each vector read once
     configs = expand({})
     tops = _tops(spec, layers, model, base, where)
     window = context_window(config, m.max_length)

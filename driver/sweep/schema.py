@@ -16,7 +16,7 @@ from worker.spec import HEAD_SITES, SITES
 
 from driver.checks import settings
 from driver.checks.errors import one_line
-from driver.steering.schema import VectorField
+from driver.steering.schema import ConditionFields
 from driver.steering.userfiles import explain, load_yaml, short, yaml_problem
 
 __all__ = ["SweepError", "SweepFile", "ModelSettings", "VectorSource", "Grid", "Tasks", "PromptSet", "Condition", "read_sweep_file",
@@ -235,23 +235,18 @@ class PromptSet(BaseModel):
         return _listify(v)
 
 
-class Condition(BaseModel):
+class Condition(ConditionFields):
     """CAST's condition on every configuration, as a steering spec's `condition:` (driver.steering.schema.ConditionSpec)
     but for its threshold: grid.thresholds is an axis of the grid."""
 
     model_config = _Frozen
-
-    vector: VectorField
-    layers: tuple[StrictInt, ...] = Field(min_length=1)
-    compare: Literal["greater", "smaller"] = "greater"
-    pool: Literal["mean", "last"] = "mean"
 
     @model_validator(mode="before")
     @classmethod
     def _threshold_is_an_axis(cls, v: Any) -> Any:
         if isinstance(v, Mapping) and "threshold" in v:
             raise ValueError("a sweep takes its thresholds as an axis: list them in grid.thresholds, e.g. [0.1, 0.2]")
-        return {**v, "vector": os.fspath(v["vector"])} if isinstance(v, Mapping) and isinstance(v.get("vector"), os.PathLike) else v
+        return v
 
 
 class SweepFile(BaseModel):

@@ -21,8 +21,8 @@ entering block s. On a pipeline group every grid job is pipelined instead (`pipe
 
 The mechanism is generic over mlx-lm models because it touches only the decoder blocks, the way
 worker.hooks does: for the duration of one forward a block's class is swapped for a subclass whose
-`__call__` passes its input through, records its output, or returns the captured state (`passes`). The model's own
-`__call__` (embeddings, position embeddings, embedding scaling, masks built from the caches' offsets) runs
+`__call__` passes its input through, records its output, or returns the captured state (worker.hooks.blocks).
+The model's own `__call__` (embeddings, position embeddings, embedding scaling, masks built from the caches' offsets) runs
 unchanged, so gpt2's position embeddings or gemma's scaling are computed lazily and never evaluated above the
 split. Whether this holds for a model is checked once per split with a probe equality test (with and
 without a prefix KV cache), as `Head.for_model` does; architectures where it does not hold (a forward that
@@ -41,7 +41,8 @@ from ..split import stages
 from . import pipelined
 from .generation import grid_generate
 from .loglikelihood import GRID_BLOCK, grid_loglikelihood
-from .passes import shares_lower, split_point
+from ..hooks.blocks import shares_lower
+from .passes import split_point
 
 __all__ = ["GRID_BLOCK", "KINDS", "distinct", "grid_generate", "grid_loglikelihood", "run_grid", "shares_lower", "split_point"]
 

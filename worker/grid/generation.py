@@ -26,7 +26,8 @@ from ..load import LoadedModel
 from ..prefix_cache import blocks, fingerprint, fits, prompt_prints, prompt_sharers, store
 from ..spec import Batching, Steering
 from ..steer import side_by_side
-from .passes import _advance, _eval_caches, _installs, _kv_cache, _split_of, _upper_body, shares_lower, unhooked
+from ..hooks.blocks import advance, eval_caches, kv_cache, shares_lower, unhooked, upper_body
+from .passes import _installs, _split_of
 
 SIDE_BY_SIDE_ROWS = 256  # rows of a grid's decode batch at most (their logits: rows x vocabulary floats)
 LOWER = "lower@{}"  # the store's key for split s's unsteered entries (no hooks' fingerprint has this form)
@@ -122,7 +123,7 @@ def staged_splits(
     that split; 0 for none: sharers (they share all), configurations steering block 0, a split only one
     configuration has, models where the passes do not hold, a worker group's rank, and blocks of prompts that
     would not fit the store twice (the lower entries and a configuration's own)."""
-    if getattr(lm, "group", None) is not None or _kv_cache(lm) is None or not fits(lm, contexts, block, copies=2):
+    if getattr(lm, "group", None) is not None or kv_cache(lm) is None or not fits(lm, contexts, block, copies=2):
         return [0] * len(installs)
     splits = [0 if share else _split_of(ins, lm.n_layers) for share, ins in zip(sharers, installs)]
     return [s if s and splits.count(s) > 1 and shares_lower(lm, s) else 0 for s in splits]
@@ -138,12 +139,12 @@ def staged_kv(s: int) -> Callable:
         if s >= lm.n_layers:
             return list(lower)  # no block runs steered: the prompt's KV is the unsteered one
         have = found[0] if found is not None else 0
-        fresh = _kv_cache(lm)
+        fresh = kv_cache(lm)
         if have:  # the lower layers' caches only give the mask its offset; the upper ones are this configuration's
             fresh = _cut(lower, have) + _cut(found[1][s:], have)
         with lm.hooks.forward(Rows(offset=have, ends=mx.array([len(tokens) + 1]))):  # the prefix pass's rows
-            _upper_body(lm, s, h[:, have:], mx.array([tokens[have:]]), fresh)
-        _eval_caches(fresh[s:])
+            upper_body(lm, s, h[:, have:], mx.array([tokens[have:]]), fresh)
+        eval_caches(fresh[s:])
         return list(lower) + fresh[s:]
 
     return compute
@@ -163,16 +164,16 @@ def lower_kv(lm: LoadedModel, s: int, tokens: tuple[int, ...]) -> tuple[list, mx
     r, (caches, h0) = below if below else (0, ((), None))
     st.extended, st.misses = st.extended + bool(have or r), st.misses + (not have and not r)
     st.reused += max(have, len(tokens) if r else 0)
-    fresh = _kv_cache(lm)
+    fresh = kv_cache(lm)
     if have:  # blocks below r: only the mask's offset; blocks r..s-1: this split's stored prefix
         fresh[:s] = _cut(found[1][0], have)
     with unhooked(lm), lm.hooks.forward(Rows(offset=have, ends=mx.array([len(tokens) + 1]))):
-        h = _advance(lm, r, s, h0[:, have:] if r else None, mx.array([tokens[have:]]), fresh)
+        h = advance(lm, r, s, h0[:, have:] if r else None, mx.array([tokens[have:]]), fresh)
     fresh[:r] = caches  # split r's own (held by both entries: each counts them, so the budget errs safe)
     if have:
         h = mx.concatenate([found[1][1][:, :have], h], axis=1)
     mx.eval(h)
-    _eval_caches(fresh[r:s])
+    eval_caches(fresh[r:s])
     entry = (fresh[:s], h)
     st.put(key, tokens, entry, size=sum(c.keys.nbytes + c.values.nbytes for c in fresh[:s]) + h.nbytes)
     return entry

@@ -11,7 +11,8 @@ from ..hooks import Rows
 from ..load import LoadedModel
 from ..score import Row, _batches, _broadcast, _families, _rows, _score_batch, loglikelihood
 from ..spec import Batching, Steering
-from .passes import _advance, _eval_caches, _injected, _installs, _kv_cache, _split_of, _upper_prefix, shares_lower, splits_prompt
+from ..hooks.blocks import advance, eval_caches, injected, kv_cache, shares_lower, upper_prefix
+from .passes import _installs, _split_of, splits_prompt
 
 GRID_BLOCK = 16  # most configurations sharing one lower pass (each holds its own upper prefix KV caches)
 
@@ -82,24 +83,24 @@ def _shared_block(
 
     for fam in _families(rows, batching.prefix_reuse):
         prefix, caches = 0, {}
-        if fam.prefix and _kv_cache(lm) is not None:  # rotating / hybrid caches: no prefix sharing (as worker.score)
+        if fam.prefix and kv_cache(lm) is not None:  # rotating / hybrid caches: no prefix sharing (as worker.score)
             prefix = fam.prefix
             tokens = mx.array([fam.rows[0].tokens[:prefix]])
             unsteered: list[Any] = [None] * n  # the prefix's unsteered KV caches, filled level by level
             h, at = None, 0
             for s in steps:
-                fresh = _kv_cache(lm)  # offset 0: the model builds the prefix's own mask
+                fresh = kv_cache(lm)  # offset 0: the model builds the prefix's own mask
                 with lm.hooks.forward(_prefix_rows(prefix)):
-                    h = _advance(lm, at, s, h, tokens, fresh)
+                    h = advance(lm, at, s, h, tokens, fresh)
                 mx.eval(h)
-                _eval_caches(fresh[at:s])
+                eval_caches(fresh[at:s])
                 unsteered[at:s], at = fresh[at:s], s
                 for c in levels[s]:
                     if s >= n:  # every layer's cache is the unsteered one: the hooks act on no cache
                         caches[c] = list(unsteered)
                         continue
                     with lm.hooks.installed(installs[c]), lm.hooks.forward(_prefix_rows(prefix)):
-                        caches[c] = _upper_prefix(lm, s, unsteered, h, tokens)
+                        caches[c] = upper_prefix(lm, s, unsteered, h, tokens)
         # The advances' caches: the unsteered ones up to the highest split, above it (never computed, only read
         # for the masks' offsets) any configuration's.
         any_cache = unsteered[: steps[-1]] + caches[block[0]][steps[-1] :] if prefix else None
@@ -108,10 +109,10 @@ def _shared_block(
             h, at = None, 0
             for s in steps:
                 with lm.hooks.forward(layout):
-                    h = _advance(lm, at, s, h, tokens, _broadcast(any_cache, len(batch)) if prefix else None)
+                    h = advance(lm, at, s, h, tokens, _broadcast(any_cache, len(batch)) if prefix else None)
                 at = s
                 for c in levels[s]:
-                    with lm.hooks.installed(installs[c]), _injected(lm, s, h):
+                    with lm.hooks.installed(installs[c]), injected(lm, s, h):
                         out = _score_batch(lm, batch, prefix, caches[c] if prefix else None)
                     mx.async_eval(out[1], out[2])  # computes while the previous one is read back
                     if pending is not None:

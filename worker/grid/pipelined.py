@@ -32,7 +32,7 @@ on prompt positions decode their own rows rather than side by side on one prompt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ..generate import GenRequest, prompt_families, reads_one_prefix, texts
@@ -134,7 +134,7 @@ def _decoded(lm: LoadedModel, ring: Any, micros: list, configs: int, requests: S
             ids[i][micro.config] = out
 
     with passing(lm.model, ring.pipe):  # one configuration's job's worth of KV in flight, K micro-batches at least
-        _rounds(ring, micros, max(ring.size, -(-len(micros) // configs)), closed)
+        decode.rounds(ring, micros, max(ring.size, -(-len(micros) // configs)), closed)
     if any(poisoned):
         raise ValueError(f"{NON_FINITE}: check the model's weights and the steering")
     if not last:
@@ -180,17 +180,3 @@ def family_prefixes(lm: LoadedModel, prints: Sequence[str | None], here: Sequenc
         if prints[c] is not None and ready[c, p.tokens] is not None:
             store(lm).put(prints[c], p.tokens, ready[c, p.tokens])
     return ready
-
-
-def _rounds(ring: Any, micros: list, window: int, closed: Callable[[Any], None]) -> None:
-    """Every live micro-batch takes its round in turn (worker.split.schedule.decode_steps), at most `window` live:
-    one that closes is handed to `closed` and let go (its KV), and the next one comes in. A micro-batch closes in
-    the same round on every rank (its ids say so), so every rank lets the same ones in, in the same order."""
-    live, admitted = list(range(min(window, len(micros)))), min(window, len(micros))
-    while live:
-        kept = [m for m in live if ring.round(m, micros[m])]
-        for m in [m for m in live if m not in kept]:
-            closed(micros[m])
-            micros[m] = None
-        fresh = min(len(micros), admitted + window - len(kept))
-        live, admitted = kept + list(range(admitted, fresh)), fresh

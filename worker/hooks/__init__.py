@@ -14,7 +14,8 @@ layers only), and `skeleton.missing_sites(config)` reads it off the blocks built
 worker loads the model.
 
 Modules: `manager` (the registry, Rows), `branches` (where a block's branches are), `instrument` (the class
-swaps), `records` (Capture), `skeleton` (the driver's check).
+swaps), `records` (Capture), `skeleton` (the driver's check), `blocks` (a span of blocks run alone: worker.grid,
+conditional prefixes), `condition` and `condition_share` (conditional steering, its shared prefixes).
 
 Kernels describe the rows of each forward with a `Rows` (where each row's real tokens, and its prompt,
 begin and end in the padded layout); interventions turn it into position masks, so "last" is each row's

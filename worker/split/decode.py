@@ -255,16 +255,30 @@ def generate(lm: Any, requests: Sequence[GenRequest], batching: Batching) -> lis
         reads_one_prefix(lm)  # its one-off self-check runs lockstep forwards: before the ring, on every rank
     micros = [_Micro(lm, [([reqs[i] for i in idx], shared, prefix) for shared, prefix, idx in batch], last,
                      [i for _, _, idx in batch for i in idx]) for batch in batches]  # fmt: skip
-    live = list(range(len(micros)))
-    with passing(lm.model, ring.pipe):
-        while live:  # every live micro-batch takes its round in turn (schedule.decode_steps)
-            live = [m for m in live if ring.round(m, micros[m])]
-    if any(m.poisoned for m in micros):
-        raise ValueError(f"{NON_FINITE}: check the model's weights and the steering")
-    if not last:
-        return [None] * len(requests)
     out: list[list[int]] = [[] for _ in reqs]
-    for batch, micro in zip(batches, micros):
-        for i, ids in zip([i for _, _, idx in batch for i in idx], micro.generated):
+    poisoned = []
+
+    def closed(micro: _Micro) -> None:
+        poisoned.append(micro.poisoned)
+        for i, ids in zip(micro.ids, micro.generated if last else ()):
             out[i] = ids
-    return texts(lm, out, requests)
+
+    with passing(lm.model, ring.pipe):
+        rounds(ring, micros, len(micros), closed)  # every micro-batch in flight at once
+    if any(poisoned):
+        raise ValueError(f"{NON_FINITE}: check the model's weights and the steering")
+    return texts(lm, out, requests) if last else [None] * len(requests)
+
+
+def rounds(ring: _Ring, micros: list, window: int, closed: Callable[[Any], None]) -> None:
+    """Every live micro-batch takes its round in turn (worker.split.schedule.decode_steps), at most `window` live:
+    one that closes is handed to `closed` and let go (its KV), and the next one comes in. A micro-batch closes in
+    the same round on every rank (its ids say so), so every rank lets the same ones in, in the same order."""
+    live, admitted = list(range(min(window, len(micros)))), min(window, len(micros))
+    while live:
+        kept = [m for m in live if ring.round(m, micros[m])]
+        for m in [m for m in live if m not in kept]:
+            closed(micros[m])
+            micros[m] = None
+        fresh = min(len(micros), admitted + window - len(kept))
+        live, admitted = kept + list(range(admitted, fresh)), fresh
