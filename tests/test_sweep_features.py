@@ -117,8 +117,8 @@ def test_the_encoder_of_each_layout_gives_its_librarys_activations(tmp_path, mon
 
 
 def test_sae_lens_itself_encodes_as_orchard_reads_its_saved_folder(tmp_path):
-    """Where sae-lens is installed (not a test extra: see test_steer_saes): StandardSAE, JumpReLUSAE and TopKSAE saved
-    by SAE.save_model, encoded by sae-lens and by Orchard."""
+    """StandardSAE, JumpReLUSAE and TopKSAE saved by sae-lens's SAE.save_model (a test extra), encoded by sae-lens and
+    by Orchard."""
     sae_lens = pytest.importorskip("sae_lens")
     x = np.random.default_rng(5).standard_normal((6, HIDDEN)).astype(np.float32) * 2
     made = [(sae_lens.StandardSAE, sae_lens.StandardSAEConfig, {}), (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig, {}),
