@@ -197,3 +197,44 @@ def test_every_site_shares_the_blocks_below_it(lm, direction, site, passes, span
     assert 4 <= sum(w[2] for w in whole) <= 12 and [s[2] for s in shared] == [w[2] for w in whole]
     for w, s in zip(whole, shared):
         assert abs(s[0] - w[0]) <= 1e-5 and s[1] == w[1]
+
+
+# --- other architectures ------------------------------------------------------------------------------------------
+
+ARCHS = ("gpt2", "gemma", "mixtral")  # position embeddings, scaled embeddings, mixture-of-experts blocks
+
+
+@pytest.fixture(scope="module")
+def archs(tmp_path_factory):
+    from testbed.models import write_model
+    from worker.load import load
+    from worker.spec import ModelSpec
+
+    root = tmp_path_factory.mktemp("condition-archs")
+    return {a: load(ModelSpec(model=str(write_model(root / a, arch=a, hidden=64, layers=4, heads=4)), max_length=128)) for a in ARCHS}
+
+
+def _two_at(threshold: float) -> Steering:
+    """resid_post.1 decided at layer 1, attn_out.2 decided at layer 2: spans 0, 1 and 2-3 of the 4 blocks."""
+    c1, c2 = (Gate(conditions=(Condition(vector=_vector(s), layers=(L,), threshold=threshold),)) for s, L in ((21, 1), (22, 2)))
+    return Steering(interventions=(Intervention(layer=1, vector=_vector(23), alpha=4.0, condition=c1),
+                                   Intervention(layer=2, site="attn_out", vector=_vector(24), alpha=4.0, condition=c2)))  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_other_architectures_grow_their_prefixes_alike(archs, arch, spans):
+    """Random-weight models of three other families: the prefix grown in spans gives each row's whole-prompt numbers
+    and decisions, in a batch whose rows fire differently."""
+    rng = np.random.default_rng(3)
+    prefix = [1, *rng.integers(3, 300, 40).tolist()]
+    reqs = [(tuple(prefix + rng.integers(3, 300, int(rng.integers(2, 9))).tolist()), (5, 6)) for _ in range(12)]
+    for threshold in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5):  # the first at which the rows' decisions differ
+        whole = run(archs[arch], Job(kind="loglikelihood", steering=_two_at(threshold)), reqs, WHOLE)
+        if 0 < sum(w[2] for w in whole) < len(whole):
+            break
+    assert 0 < sum(w[2] for w in whole) < len(whole), [w[2] for w in whole]
+    shared = run(archs[arch], Job(kind="loglikelihood", steering=_two_at(threshold)), reqs, Batching(batch_size=5))
+    assert sorted(spans) == [(0, 1), (1, 2), (1, 2), (2, 4), (2, 4), (2, 4), (2, 4)]
+    assert [s[2] for s in shared] == [w[2] for w in whole]
+    for w, s in zip(whole, shared):
+        assert abs(s[0] - w[0]) <= 1e-5 and s[1] == w[1]
