@@ -237,7 +237,7 @@ class Picked:
     """One layer's prefix KV in several variants, as a worker.cascade group: each row reads the one `index()` picks
     for it ([n] int32, built inside the prompt forward whose decisions pick, on the first read, and kept for the
     rows' decode steps). The cascade reads every variant once per forward, as it reads one prefix; from the first
-    decode step on only those some row picked (`narrow`: one variant when every row's decisions agree)."""
+    decode step on only those some row picked (`read`: one variant when every row's decisions agree)."""
 
     def __init__(self, caches: list[Any], index: Any = None, rows: mx.array | None = None) -> None:
         self.caches, self._index, self._rows = caches, index, rows
@@ -255,7 +255,8 @@ class Picked:
         if self._narrow:
             picks = self.rows().tolist()
             used = sorted(set(picks))
-            self.caches, self._rows, self._narrow = [self.caches[u] for u in used], mx.array([used.index(p) for p in picks]), False
+            self.caches, self._rows = [self.caches[u] for u in used], mx.array([used.index(p) for p in picks])
+            self._narrow = False
         elif self._rows is None:
             self._narrow = True  # this is the prompt forward: the next one reads the picks it made
         return self.caches
