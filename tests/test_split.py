@@ -11,12 +11,11 @@ import itertools
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from testbed.ring import ROOT, run_split
+from testbed.ring import ROOT, by_model, pipeline_models, run_split
 from worker.generate import GenRequest
 from worker.jobs import run
 from worker.load import load
@@ -59,12 +58,12 @@ def _work(name: str) -> list[tuple[str, Job, list]]:
     ]
 
 
+CONFIGS: dict = {}  # each model's config.json (pipeline_models fills it)
+
+
 @pytest.fixture(scope="module")
 def models(stories_path, tmp_path_factory):
-    from testbed.models import write_model
-
-    qwen2 = write_model(tmp_path_factory.mktemp("split") / "qwen2", arch="qwen2", layers=4, heads=4, kv_heads=2)
-    return {"stories": stories_path, "qwen2": qwen2}
+    return pipeline_models(stories_path, tmp_path_factory.mktemp("split"), CONFIGS)
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +81,7 @@ def ring(request, models):
     work = [(name, job, requests) for name in models for _, job, requests in _work(name)]
     reports = run_split(models, Grouping(size=2, split=request.param), work, timeout=300)
     labels = [(name, label) for name in models for label, _, _ in _work(name)]
-    for report in reports:
-        by_model: dict = {}
-        for (name, label), result in zip(labels, report["results"]):
-            by_model.setdefault(name, {})[label] = result
-        report["results"] = by_model
-    return request.param, reports
+    return request.param, by_model(reports, labels)
 
 
 def _scores(results) -> np.ndarray:
@@ -99,8 +93,7 @@ def _scores(results) -> np.ndarray:
 def test_layers_owned(ring, models, name):
     split, reports = ring
     n = {"stories": 5, "qwen2": 4}[name]
-    config = json.loads((Path(models[name]) / "config.json").read_text())
-    want = pipeline_ranges(config, 2) if split == "pipeline" else [(0, n), (0, n)]
+    want = pipeline_ranges(CONFIGS[name], 2) if split == "pipeline" else [(0, n), (0, n)]
     assert [tuple(r["layers"][name]) for r in reports] == want
     if name == "qwen2" and split == "pipeline":  # its head (vocab 1024 x hidden 64) costs ~1.8 of its layers
         assert want == [(0, 3), (3, 4)]

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from .hooks import HookContext, Rows
+from .hooks.manager import point_layer
 from .spec import Batching, head_shape
 from .split import stages
 
@@ -184,6 +185,6 @@ def pipelined_capture(lm, requests: Sequence[tuple[Sequence[int], int]], points:
             results[i] = a
 
     with lm.hooks.installed(list(zip(points, gathers))):  # the points' names checked here, before any forward
-        reach = stages.owner(lm, max(int(p.rpartition(".")[2]) for p in points))
+        reach = stages.owner(lm, max(point_layer(p) for p in points))
         last = stages.run(lm, [m for _, m in micros], collect, reach=reach)
     return results if last else [None] * len(requests)

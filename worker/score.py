@@ -10,7 +10,8 @@ from typing import Any
 import mlx.core as mx
 
 from .hooks import Rows
-from .hooks.condition_share import SharedPrefix, broadcast_kv, conditional_gates, grown_prefix, shareable, shared_prefix
+from .hooks.blocks import broadcast_kv
+from .hooks.condition_share import SharedPrefix, conditional_gates, grown_prefix, shareable, shared_prefix
 from .spec import Batching
 from .split import stages
 

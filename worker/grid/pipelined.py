@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..generate import GenRequest, prompt_families, reads_one_prefix, texts
+from ..hooks.manager import point_layer
 from ..load import LoadedModel
 from ..prefix_cache import count, prompt_prints, start_from, store
 from ..sampling import NON_FINITE
@@ -145,7 +146,7 @@ def _decoded(lm: LoadedModel, ring: Any, micros: list, configs: int, requests: S
 
 def below(installs: Sequence[list], end: int) -> list[list]:
     """Each configuration's hooks at layers below `end`: all that can change the KV of layers below it."""
-    return [[(name, hook) for name, hook in install if int(name.rpartition(".")[2]) < end] for install in installs]
+    return [[(name, hook) for name, hook in install if point_layer(name) < end] for install in installs]
 
 
 def prefix_owners(prints: Sequence[str | None]) -> list[int]:

@@ -29,10 +29,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .blocks import advance, broadcast_kv, kv_cache, shares_lower, unhooked
 from .condition import Gate, WhenFired, conditional_gates
-from .manager import Rows
+from .manager import Rows, point_layer
 
-__all__ = ["MAX_GATES", "Chosen", "ChosenCache", "Picked", "SharedPrefix", "broadcast_kv", "conditional_gates", "grown_prefix", "shareable",
-           "shared_prefix"]
+__all__ = ["MAX_GATES", "Chosen", "ChosenCache", "Picked", "SharedPrefix", "conditional_gates", "grown_prefix", "shareable", "shared_prefix"]
 
 MAX_GATES = 3  # conditional interventions whose prefixes are shared: 2^3 = 8 prefix passes per family at most
 
@@ -90,9 +89,7 @@ class SharedPrefix:
         """Per layer: the prefix's KVCache where every variant's is the same, else a `Chosen` (one host sync, once)."""
         if self._layers is None:
             per_layer = [[v[i] for v in self.variants] for i in range(len(self.variants[0]))]
-            held: dict[tuple[int, str], mx.array] = {}  # one slice per cache: variants sharing a layer's cache agree uncompared
-            found = _differences([[held.setdefault((id(c), part), _held([c], part)[0]) for c in caches]
-                                  for caches in per_layer for part in ("keys", "values")], self.gates)  # fmt: skip
+            found = _differences([_held(caches, part) for caches in per_layer for part in ("keys", "values")], self.gates)
             self._layers = [_layer(caches, self.gates, k | v) for caches, k, v in zip(per_layer, found[::2], found[1::2])]
         return self._layers
 
@@ -157,7 +154,7 @@ def _first_blocks(hooks: Any, gates: list[Gate]) -> list[int]:
     last block runs its resid_post hooks inside the span)."""
     first: dict[Gate, int] = {}
     for point, fns in hooks._hooks.items():
-        layer = int(point.rpartition(".")[2])
+        layer = point_layer(point)
         for f in fns:
             if isinstance(f, WhenFired):
                 first[f.gate] = min(first.get(f.gate, layer), layer)
@@ -198,8 +195,13 @@ def _differences(many: list[list[mx.array]], gates: list[Gate]) -> list[set[int]
 
 
 def _held(caches: list, part: str) -> list[mx.array]:
-    """Each variant's cache's keys or values (`part`), its filled positions only."""
-    return [getattr(c, part)[..., : c.offset, :] for c in caches]
+    """Each variant's cache's keys or values (`part`), its filled positions only; variants holding one cache (a grown
+    prefix's shared blocks) get one array, so they agree without a compare (`_differences`)."""
+    sliced: dict[int, mx.array] = {}
+    for c in caches:
+        if id(c) not in sliced:
+            sliced[id(c)] = getattr(c, part)[..., : c.offset, :]
+    return [sliced[id(c)] for c in caches]
 
 
 def _variants(items: list, relevant: set[int]) -> list:

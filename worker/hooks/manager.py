@@ -70,6 +70,11 @@ class HookContext:
     rows: Rows
 
 
+def point_layer(point: str) -> int:
+    """The layer of a hook point's name (`resid_post.3` -> 3)."""
+    return int(point.rpartition(".")[2])
+
+
 def splits_at_prompt(hooks: Iterable[Any]) -> bool:
     """Whether any of `hooks` treats prompt and continuation positions differently (rows then split there)."""
     return any(getattr(f, "positions", "all") in ("prompt", "continuation") for f in hooks)
@@ -191,7 +196,7 @@ class HookManager:
             )
 
     def owns(self, name: str) -> bool:
-        return int(name.rpartition(".")[2]) in self.owned
+        return point_layer(name) in self.owned
 
     def run(self, name: str, x: mx.array, layer: int) -> mx.array:
         fns = self._hooks.get(name)
