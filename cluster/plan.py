@@ -24,8 +24,18 @@ def request_costs(kind: str, requests: list, max_length: int, prefix_reuse: bool
     if kind == "generate":  # prompts sharing a prefix (few-shot exemplars) stay together: prefilled once
         costs = [min(len(r.context), max_length) + r.max_gen_toks for r in requests]
         return costs, generation_families(requests, max_length, prefix_reuse)
+    if kind == "patch":  # a pair's cells share its clean and corrupt runs on the worker: kept together
+        return [min(len(r.clean), max_length) for r in requests], _pair_families(requests)
     costs = [min(len(tokens), max_length) for tokens, _ in requests]
     return costs, [[i] for i in range(len(requests))]
+
+
+def _pair_families(requests: list) -> list[list[int]]:
+    """Patch requests' indices grouped by their prompt pair (worker.patch.spec.PatchRequest), in first-seen order."""
+    families: dict[tuple, list[int]] = {}
+    for i, r in enumerate(requests):
+        families.setdefault((r.clean, r.corrupt, r.correct, r.wrong), []).append(i)
+    return list(families.values())
 
 
 def cut_piece(

@@ -13,6 +13,7 @@ from .capture import capture, pipelined_capture
 from .generate import decode, generate, prompt_parts, texts
 from .grid import run_grid
 from .load import LoadedModel
+from .patch import run as patch
 from .prefix_cache import use_budget
 from .score import loglikelihood, pipelined_loglikelihood
 from .spec import Batching, Job
@@ -55,9 +56,11 @@ def run(lm: LoadedModel, job: Job, requests: Sequence[Any], batching: Batching) 
             out = conditional_generate(lm, requests, batching)
         elif job.kind == "generate":
             out = generate(lm, requests, batch_size=batching.batch_size, prefix_reuse=batching.prefix_reuse)
+        elif job.kind == "patch":  # activation patching (issue 37): tensor groups lockstep, pipeline groups refused
+            out = patch(lm, requests, batching)
         else:
             out = (pipelined_capture if pipelined(lm) else capture)(lm, requests, job.points, batching)
-    if fired is not None and job.kind != "capture":  # each result says whether its row was steered
+    if fired is not None and job.kind in ("loglikelihood", "generate"):  # each result says whether its row was steered
         out = [_with_fired(job.kind, r, fired.get(i, False)) for i, r in enumerate(out)]
     return Results(out, notes)
 

@@ -378,7 +378,7 @@ class Job(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["loglikelihood", "generate", "capture"]
+    kind: Literal["loglikelihood", "generate", "capture", "patch"]  # patch: worker.patch.spec's requests
     steering: Steering = NO_STEERING
     points: tuple[str, ...] = ()  # capture only: hook points such as "resid_post.3"
     # A grid chunk: each request runs under each of these configurations (results per request per
@@ -388,7 +388,7 @@ class Job(BaseModel):
 
     @model_validator(mode="after")
     def _grid_alone(self) -> "Job":
-        if self.grid and (self.kind == "capture" or self.steering or self.points):
+        if self.grid and (self.kind in ("capture", "patch") or self.steering or self.points):
             raise ValueError("a grid job is loglikelihood or generate work with its steering in `grid` only")
         return self
 

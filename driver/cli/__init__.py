@@ -6,7 +6,7 @@ from functools import partial
 
 import click
 
-from driver.cli import cluster, demo, nodes, run, stage, steer, sweep, vectors
+from driver.cli import cluster, demo, nodes, patch, run, stage, steer, sweep, vectors
 from driver.cli.errors import OneLineErrors
 from driver.cli.options import hide_aliases
 from driver.lm.quiet import quiet_option
@@ -33,6 +33,7 @@ main.add_command(nodes.nodes)
 main.add_command(stage.stage)
 main.add_command(cluster.cluster)
 main.add_command(steer.steer)
+main.add_command(patch.patch_command)
 
 for command in main.commands.values():  # every command takes --quiet too (`driver run --quiet ...`)
     for sub in getattr(command, "commands", {}).values():

@@ -51,12 +51,15 @@ def _request_bytes(kind: str, request: Any) -> bytes:
     if kind == "capture":
         tokens, position = request
         return _ids(tokens) + struct.pack("<q", position)
+    if kind == "patch":  # worker.patch.spec.PatchRequest: the pair's tokens, answers and cell
+        return request.model_dump_json().encode()
     raise ValueError(f"no cache key for request kind {kind!r}")
 
 
 def key(prefix: bytes, kind: str, request: Any) -> bytes:
     """Key of one request of a job, spelled out per kind:
-    loglikelihood (context_ids, continuation_ids) · generate a GenRequest · capture (token_ids, position)."""
+    loglikelihood (context_ids, continuation_ids) · generate a GenRequest · capture (token_ids, position) · patch a
+    PatchRequest."""
     h = hashlib.blake2b(prefix, digest_size=16)
     h.update(_request_bytes(kind, request))
     return h.digest()
@@ -114,6 +117,8 @@ def usable(kind: str | None, value: Any) -> bool:
         return isinstance(value, list) and len(value) == 2 and _finite(value[0]) and isinstance(value[1], bool)
     if kind == "generate":
         return isinstance(value, str)
+    if kind == "patch":  # (value, clean_ld, corrupt_ld)
+        return isinstance(value, list) and len(value) == 3 and all(_finite(x) for x in value)
     if kind == "capture":
         try:
             array = np.asarray(value, dtype=np.float64)
