@@ -71,6 +71,22 @@ def test_every_package_folder_is_in_the_distribution():
     assert not {p for p in shipped if p.split(".")[0] not in PACKAGES}, shipped  # no tests, benches or examples
 
 
+def test_every_data_file_of_the_code_is_in_the_distribution():
+    """Files beside the code that it reads (the judge's rubric templates) are package data of a wheel too."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-data", {})
+    files = [f for pkg in PACKAGES for f in (ROOT / pkg).rglob("*") if f.is_file() and f.suffix not in (".py", ".pyc")]
+
+    def shipped(f: Path) -> bool:
+        rel = f.relative_to(ROOT)
+        return any(fnmatch.fnmatch(str(rel.relative_to(*key.split("."))), pattern)
+                   for key, patterns in data.items() if rel.is_relative_to(Path(*key.split("."))) for pattern in patterns)  # fmt: skip
+
+    assert files and not [str(f) for f in files if not shipped(f)]
+
+
 def _pip_cache() -> str | None:
     proc = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], capture_output=True, text=True)
     return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None

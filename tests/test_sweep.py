@@ -131,8 +131,9 @@ def test_outputs_have_one_row_per_configuration_and_metric_and_valid_plots(runs,
     assert any(r["stderr"] is not None for r in rows if r["task"] == "orchard_mc")
     assert all(r["n"] == 4 for r in rows if r["metric"] not in ("fluency_logprob", "repetition_rate"))  # those: non-empty texts
     assert all(r["error"] is None and r["fluent"] in (True, False) for r in rows)
-    pngs = sorted((folder / "plots").glob("*.png"))
+    pngs = sorted(p for p in (folder / "plots").glob("*.png") if p.name.startswith(("heatmap-", "lines-")))
     assert len(pngs) == 2 * (TASK_METRICS + PROMPT_METRICS)
+    assert {p.name for p in (folder / "plots").glob("steerability-*.png")} == {"steerability-prompts.png", "steerability-orchard_mc.png"}
     heat = tuple(int(x * plots.DPI) for x in reversed(plots.heatmap_size(2, 3)))  # alphas -2, 0 (baseline), 2
     lines = tuple(int(x * plots.DPI) for x in reversed(plots.lines_size(1)))
     for png in pngs:
@@ -179,7 +180,7 @@ def assert_same_results(a: Path, b: Path) -> None:
     assert len(rows_a) == len(rows_b)
     for x, y in zip(rows_a, rows_b):
         for column in x:
-            if column in ("value", "stderr", "delta") and x[column] and y[column]:
+            if column in ("value", "stderr", "delta", "delta_low", "delta_high") and x[column] and y[column]:
                 assert float(x[column]) == pytest.approx(float(y[column]), rel=1e-5, abs=1e-5), (column, x, y)
             else:
                 assert x[column] == y[column], (column, x, y)
@@ -303,7 +304,8 @@ def test_sweep_help():
 
 
 def label(r: dict) -> str:
-    return f"{r['vector']} L{r['layer']} {r['site']} {r['op']} α={r['alpha']:g} ({r['positions']})"
+    head = "" if r.get("head") is None else f" head {r['head']}"
+    return f"{r['vector']} L{r['layer']} {r['site']}{head} {r['op']} α={r['alpha']:g} ({r['positions']})"
 
 
 def test_scores_deltas_and_p_positive_equal_the_in_process_models(runs, study):
@@ -367,16 +369,26 @@ def test_best_is_the_best_value_among_fluent_configurations(runs):
     rows = report.read_csv(runs[1] / "results.csv")
     text = (runs[1] / "summary.md").read_text()
     per_metric = text[text.index("## Per metric") :].splitlines()
-    for metric, pick in (("logprob_diff", max), ("logprob_negative", min), ("p_positive", max)):
-        grid = [r for r in rows if r["task"] == "prompts" and r["metric"] == metric and r["config"] != "baseline"]
-        want = pick((r for r in grid if r["fluent"] is not False), key=lambda r: r["value"], default=None)
+    for metric, higher in (("logprob_diff", True), ("logprob_negative", False), ("p_positive", True)):
         line = next(x for x in per_metric if x.startswith(f"| prompts | {metric} |"))
-        assert line.split(" | ")[3].startswith(label(want) if want else "–"), (line, want)
+        assert line.split(" | ")[3].startswith(best_by_hand(rows, metric, higher)), line
     # the rule itself, on rows where each choice gives a different answer
     rows = [{"config": c, "value": v, "delta": v, "fluent": f} for c, v, f in (("a", 1.0, True), ("b", 3.0, False), ("c", 2.0, True))]
     assert summary.extremes(rows, True)[0]["config"] == "c"  # b is higher but not fluent
     assert summary.extremes(rows, False)[0]["config"] == "a"
     assert summary.extremes(rows, None)[1]["config"] == "b"  # the largest change is any configuration's
+
+
+def best_by_hand(rows: list[dict], metric: str, higher: bool) -> str:
+    """summary.md's best cell recomputed: the best value among fluent steering configurations whose paired 95 %
+    interval lies wholly on the better side of 0, else the sentence saying none does."""
+    grid = [r for r in rows if r["task"] == "prompts" and r["metric"] == metric and r["config"] != "baseline"]
+    beyond = [r for r in grid if r["fluent"] is not False and r["delta_low"] is not None
+              and (r["delta_low"] > 0 if higher else r["delta_high"] < 0)]  # fmt: skip
+    if beyond:
+        return label((max if higher else min)(beyond, key=lambda r: r["value"])) + (" (highest)" if higher else " (lowest)")
+    noise = not any(r["delta_low"] is not None and (r["delta_low"] > 0 or r["delta_high"] < 0) for r in grid)
+    return summary.NOISE if noise else summary.NO_GAIN
 
 
 def strict_json(text: str):
@@ -582,8 +594,7 @@ def test_a_sweep_over_branch_sites_equals_plain_steered_runs_per_site(ray_cluste
     assert len({round(d, 4) for d in diffs.values()}) == len(diffs)  # every site, layer and alpha changed the score
     text = (out / "summary.md").read_text()
     assert "| v | attn_out, mlp_out, resid_mid | – | 0, 1 |" in text
-    best = max((r for r in rows if r["metric"] == "logprob_diff" and r["config"] != "baseline"), key=lambda r: r["value"])
-    assert f"| prompts | logprob_diff | {summary._num(diffs['baseline'])} | {label(best)} (highest) |" in text
+    assert f"| prompts | logprob_diff | {summary._num(diffs['baseline'])} | {best_by_hand(rows, 'logprob_diff', True)} |" in text
     heat = tuple(int(x * plots.DPI) for x in reversed(plots.heatmap_size(2, [3, 3, 3])))  # one panel per site
     image = matplotlib.image.imread(out / "plots" / "heatmap-prompts-logprob_diff.png")
     assert image.shape[:2] == heat
@@ -616,7 +627,7 @@ def test_a_head_sweep_equals_plain_steered_runs_per_head_and_draws_layers_by_hea
 
     diffs = assert_equals_plain_runs(rows, sweep, spec_of)
     assert len({round(d, 4) for d in diffs.values()}) == len(diffs)  # every head changed the score its own way
-    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    pngs = sorted(p.name for p in (out / "plots").glob("heads-*.png"))
     assert pngs == sorted(f"heads-prompts-{m}.png" for m in ("logprob_positive", "logprob_negative", "logprob_diff", "p_positive"))
     heat = tuple(int(x * plots.DPI) for x in reversed(plots.heatmap_size(2, [HEADS, HEADS])))  # alphas -2 and 2
     for png in pngs:
@@ -624,8 +635,8 @@ def test_a_head_sweep_equals_plain_steered_runs_per_head_and_draws_layers_by_hea
         assert image.shape[:2] == heat and image.std() > 0.01, png
     text = (out / "summary.md").read_text()
     assert "| v | attn_head | 0, 1, 2, 3 | 0, 1 |" in text and "(plots/heads-prompts-logprob_diff.png)" in text
-    best = max((r for r in rows if r["metric"] == "logprob_diff" and r["config"] != "baseline"), key=lambda r: r["value"])
-    assert f"v L{best['layer']} attn_head head {best['head']} add α={best['alpha']:g} (all) (highest)" in text
+    best = best_by_hand(rows, "logprob_diff", True)
+    assert f"| prompts | logprob_diff | {summary._num(diffs['baseline'])} | {best}" in text
     configurations = json.loads((out / "run.json").read_text())["configurations"]
     assert {c["head"] for c in configurations} == {None, *range(HEADS)}
 

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from driver.checks.datasets import dataset_hint  # lm-eval's late dataset errors say what would fix them (re-exported)
+from driver.checks.files import write_atomic
 
 DATASET_HINT = dataset_hint()  # the generic words (kept for callers that know no error yet)
 
@@ -110,6 +111,7 @@ class Plan:
     gen_kwargs: str | dict | None = None  # the CLI passes settings.gen_kwargs (checked, typed)
     manager: Any = None
     names: list[str] = field(default_factory=list)
+    system_instruction: str | None = None  # before every context (a sweep's prompting baseline, driver.judge.prompting)
 
 
 def open_model(args: dict[str, Any]):
@@ -199,6 +201,7 @@ def evaluate(lm, model_args: dict[str, Any], plan: Plan, output_path: str) -> Ev
             log_samples=plan.log_samples,
             evaluation_tracker=tracker,
             apply_chat_template=plan.apply_chat_template,
+            system_instruction=plan.system_instruction,
             gen_kwargs=plan.gen_kwargs,
             task_manager=plan.manager,
             verbosity="WARNING",
@@ -242,7 +245,7 @@ def save(done: Evaluation, output_path: str, seconds: float) -> Path:
         tracker.save_results_samples(task_name=task, samples=samples[task])
     summary = _summary(done.info, seconds)
     folder = Path(output_path) / tracker.general_config_tracker.model_name_sanitized
-    (folder / f"summary_{tracker.date_id}.json").write_text(json.dumps(summary, indent=2, default=handle_non_serializable))
+    write_atomic(folder / f"summary_{tracker.date_id}.json", json.dumps(summary, indent=2, default=handle_non_serializable))
     if done.steered:  # the table below is the steered model's: say so above it
         click.echo(done.steered)
     click.echo(make_table(results))

@@ -43,6 +43,7 @@ class Config:
     record: dict | None = None  # what goes into lm-eval's results JSON (config.orchard.steering)
     head: int | None = None  # the attention head, at a head site (attn_head)
     threshold: float | None = None  # the CAST condition's threshold (the file's `condition:`), or None: unconditional
+    text: str | None = None  # a prompting baseline's text before every prompt (op "prompt", driver.judge.prompting)
 
     @property
     def fields(self) -> dict:
@@ -288,7 +289,8 @@ def choose_top(sweep, lm, echo=print) -> None:
         echo(f"sweep: ranking SAE features at {', '.join(points)} on {len(tops[0].prompts)} prompts of {Path(file).name} ({len(requests)} tokens)")
         acts = _capture(lm, NO_STEERING, points, requests)
         for t in tops:
-            top = ranked(t.encoder.mean_activation(acts[:, points.index(f"{t.site}.{t.layer}")], prompt_weights(owners)), t.k)
+            means = t.encoder.mean_activation(acts[:, points.index(f"{t.site}.{t.layer}")], prompt_weights(owners))
+            top = ranked(means, t.k, f"vectors.{t.name}'s SAE at {t.site}.{t.layer}")
             chosen[(t.name, t.site, t.layer)] = [f for f, _ in top]
             sweep.top_features.append({"vector": t.name, "site": t.site, "layer": t.layer, "sae": str(t.encoder.path), "prompts": file,
                                        "n_prompts": len(tops[0].prompts), "tokens": len(requests),

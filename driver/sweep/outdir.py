@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 
 LOCK_NAME = ".sweep.lock"
-OUTPUTS = ("results.csv", "results.jsonl", "generations.jsonl", "summary.md", "run.json", "plots/heatmap-*.png",
-           "plots/lines-*.png", "plots/heads-*.png", "lm-eval/*.json")  # fmt: skip
+OUTPUTS = ("results.csv", "results.jsonl", "generations.jsonl", "samples.jsonl", "steerability.csv", "summary.md", "run.json",
+           "plots/heatmap-*.png", "plots/lines-*.png", "plots/heads-*.png", "plots/steerability-*.png", "plots/pareto-*.png",
+           "lm-eval/*.json")  # fmt: skip
 
 
 class FolderBusy(RuntimeError):

@@ -13,6 +13,7 @@ from typing import Any
 
 from worker.spec import HEAD_SITES, head_shape
 
+from driver.judge.schema import PROMPT
 from driver.steering.userfiles import jsonl_lines
 from driver.sweep.configs import BASELINE, Config, Model, TopAt, choose_top, grid_configs, grid_vectors, nonempty
 from driver.sweep.schema import NAME, Grid, PromptSet, SweepError, SweepFile, Tasks, one_line, read_sweep_file
@@ -41,10 +42,16 @@ class Sweep:
     tops: list[TopAt] = field(default_factory=list)  # `top: K` sources, each place checked; ranked once workers run
     expand: Callable[[dict], list[Config]] | None = None  # the configurations, given {(vector, site, layer): features}
     top_features: list[dict] = field(default_factory=list)  # what choose_top chose (run.json, summary.md)
+    judge: Any = None  # driver.judge.rate.JudgePlan: the file's judge, checked; or None
 
     @property
     def grid(self) -> list[Config]:
-        return self.configs[1:]
+        """The steering configurations (the prompting baselines, op "prompt", come after them in `configs`)."""
+        return [c for c in self.configs[1:] if c.op != PROMPT]
+
+    @property
+    def prompting(self) -> list[Config]:
+        return [c for c in self.configs if c.op == PROMPT]
 
 
 def _resolve_model(pretrained: str, base: Path) -> str:
@@ -143,7 +150,7 @@ def read_prompts(path: Path, where: str) -> list[Prompt]:
     return prompts
 
 
-_MANAGERS: dict[str | None, Any] = {}
+_MANAGERS: dict[tuple, Any] = {}
 
 
 def _check_task_names(names: Sequence[str], include: str | None, where: str) -> None:
@@ -179,22 +186,22 @@ def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
     _check_task_names(tasks.names, include, where)  # as fast as `driver run`'s check, before lm-eval's index
     _check_datasets(tasks.names, include, where)
 
-    from lm_eval.tasks import TaskManager
-
+    from driver.checks.errors import BadUsage
+    from driver.checks.tasks import task_manager
     from driver.lm.evaluation import Plan, parse_seeds
 
-    if include not in _MANAGERS:  # indexing lm-eval's tasks takes seconds: once per process and folder
-        _MANAGERS[include] = TaskManager(include_path=include)
-    manager = _MANAGERS[include]
-    unknown = [t for t in tasks.names if not manager.match_tasks([t])]
-    if unknown:
-        raise SweepError(
-            f"{where}: tasks.names: unknown task {unknown[0]!r} (list tasks with `lm_eval ls tasks`, or give tasks.include_path)"
-        )
+    key = (include, tuple(tasks.names))
+    if key not in _MANAGERS:  # lm-eval indexes only the named tasks' folders (driver.checks.tasks): once per process
+        try:
+            _MANAGERS[key] = task_manager(list(tasks.names), include)
+        except BadUsage as e:
+            said = e.format_message().split(":")[0]  # "unknown task NAME"
+            raise SweepError(f"{where}: tasks.names: {said} (list tasks with `lm_eval ls tasks`, or give tasks.include_path)") from None
+    manager = _MANAGERS[key]
     limit = tasks.limit if tasks.limit is None or tasks.limit < 1 else int(tasks.limit)
     seeds = parse_seeds(str(tasks.seed) if tasks.seed is not None else "0,1234,1234,1234")
     return Plan(
-        seeds=seeds, limit=limit, num_fewshot=tasks.num_fewshot, batch_size=str(batch_size),
+        seeds=seeds, limit=limit, num_fewshot=tasks.num_fewshot, batch_size=str(batch_size), log_samples=True,  # per-document values
         apply_chat_template=tasks.apply_chat_template, gen_kwargs=tasks.gen_kwargs, manager=manager, names=list(tasks.names),
     )  # fmt: skip
 
@@ -202,6 +209,9 @@ def _plan(tasks: Tasks, base: Path, where: str, batch_size: int):
 def load_sweep(path: str | os.PathLike) -> Sweep:
     """Read and check a sweep file against its model, vectors, tasks and prompt sets; starts no worker."""
     from worker.load import ModelLoadError, context_window
+
+    from driver.judge import prompting  # (driver.judge's modules read driver.sweep's)
+    from driver.judge.rate import check_judge
 
     from driver.lm.model_setup import model_config
     from driver.steering.spec import model_shape
@@ -225,7 +235,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     c = spec.condition
     condition = None if c is None else {**c.model_dump(mode="json"), "threshold": spec.grid.thresholds[0]}
     model = Model(config, m.dtype, shape[0], shape[1], condition)
-    expand = functools.partial(grid_configs, spec, layers, heads, model, base, where, loaded={})  # each vector read once
+    grid = functools.partial(grid_configs, spec, layers, heads, model, base, where, loaded={})  # each vector read once
+    expand = lambda chosen: grid(chosen) + prompting.configs(spec.prompting)  # noqa: E731 (the baselines last)
     configs = expand({})
     tops = _tops(spec, layers, model, base, where)
     window = context_window(config, m.max_length)
@@ -246,4 +257,4 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         args["adapter_path"] = str((base / Path(m.adapter_path).expanduser()).resolve())
     if m.threads is not None:
         args["threads"] = m.threads
-    return Sweep(path, spec, args, shape[0], configs, prompt_sets, plan, tops, expand)
+    return Sweep(path, spec, args, shape[0], configs, prompt_sets, plan, tops, expand, judge=check_judge(spec, base, where))

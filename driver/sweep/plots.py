@@ -57,7 +57,7 @@ def facets(rows: Sequence[dict], columns: str = ALPHAS) -> dict[tuple, list[dict
     conditional sweep's rows by their threshold too, last: ("t", threshold)."""
     out: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r["config"] != BASELINE and (r.get("head") is not None) == (columns == HEADS):
+        if r["config"] != BASELINE and r["op"] != "prompt" and (r.get("head") is not None) == (columns == HEADS):  # not a prompting baseline
             key = (r["vector"], r["site"], r["op"], r["positions"]) + ((r["alpha"],) if columns == HEADS else ())
             key += () if r.get("threshold") is None else (("t", r["threshold"]),)
             out.setdefault(key, []).append(r)
@@ -164,8 +164,8 @@ def heatmap(task: str, metric: str, rows: Sequence[dict], columns: str = ALPHAS)
         m = np.full((len(layers), len(alphas)), np.nan)
         for r in prows:
             m[layers.index(r["layer"]), alphas.index(_column(r, columns))] = r["delta"] if r["delta"] is not None else np.nan
-        if columns == ALPHAS and prows[0]["op"] in ("add", "replace") and baseline is not None and baseline["value"] is not None:
-            m[:, alphas.index(0.0)] = 0.0  # for add and replace, alpha 0 is the baseline
+        if columns == ALPHAS and prows[0]["op"] in ("add", "replace") and (_has_value(baseline) or _own_baselines(prows)):
+            m[:, alphas.index(0.0)] = 0.0  # for add and replace, alpha 0 is the baseline (a feature's: its unsteered value)
         matrices.append(m)
     finite = [abs(x) for m in matrices for x in m.ravel() if np.isfinite(x)]
     bound = max(finite + [0.0]) or 1e-12
@@ -186,14 +186,16 @@ def heatmap(task: str, metric: str, rows: Sequence[dict], columns: str = ALPHAS)
         ax.set_ylabel("layer")
         ax.set_title(_facet_title(key), fontsize=9)
         fontsize = 8 if len(alphas) <= 8 else 6
+        muted = {(layers.index(r["layer"]), alphas.index(_column(r, columns))) for r in panels[key] if within_noise(r)}
         for (i, j), v in np.ndenumerate(m):
             if np.isfinite(v):
-                dark = abs(norm(v) - 0.5) > 0.3
+                dark = abs(norm(v) - 0.5) > 0.3 and (i, j) not in muted  # a muted cell is pale: black text
                 ax.text(j, i, signed(float(v)), ha="center", va="center", fontsize=fontsize, color="white" if dark else "black")
         _mark_cells(ax, panels[key], layers, alphas, fontsize, columns)
     bar = fig.colorbar(image, ax=axes[: len(panels)], shrink=0.9)
     bar.set_label(_with_unit(f"Δ {metric} vs baseline", metric))
     marked = "\nhatched: generations not fluent (see summary.md)" if any(r.get("fluent") is False for r in rows) else ""
+    marked += "\nmuted: the change's paired 95 % interval includes 0 (within noise)" if any(map(within_noise, rows)) else ""
     fig.suptitle(f"Change from baseline: {_title(task, metric, baseline)}{marked}", fontsize=10)
     return _png(fig)
 
@@ -234,15 +236,16 @@ def lines(task: str, metric: str, rows: Sequence[dict]) -> bytes:
         else:
             for colour, layer in zip(colours, layers):
                 pts = {float(r["alpha"]): r for r in prows if r["layer"] == layer}
-                if baseline is not None and key[2] in ("add", "replace"):
-                    pts.setdefault(0.0, baseline)
+                if key[2] in ("add", "replace") and (_has_value(baseline) or _own_baselines(prows)):
+                    pts.setdefault(0.0, baseline if _has_value(baseline) else _own_baselines(prows)[layer])
                 xs = sorted(pts)
                 ys = [_y(pts[x]) for x in xs]
                 ax.plot(xs, ys, "o-", color=colour, label=f"layer {layer}", markersize=4)
                 _cross_out(ax, [(x, pts[x]) for x in xs])
-                errs = [pts[x].get("stderr") for x in xs]
-                if all(e is not None for e in errs):
-                    ax.fill_between(xs, [y - e for y, e in zip(ys, errs)], [y + e for y, e in zip(ys, errs)], color=colour, alpha=0.12)
+                band = [(x, y, e) for x, y, e in zip(xs, ys, (pts[x].get("stderr") for x in xs)) if e is not None]
+                if len(band) >= 2:  # ± 1 stderr where a point has one (a feature's unsteered point has none)
+                    bx, by, be = zip(*band)
+                    ax.fill_between(bx, [y - e for y, e in zip(by, be)], [y + e for y, e in zip(by, be)], color=colour, alpha=0.12)
             ax.set_xlabel(_alpha_axis(key[2]).replace("; 0 = baseline", ""))
         if baseline is not None and baseline["value"] is not None:
             ax.axhline(baseline["value"], color="grey", linestyle="--", linewidth=1, label="baseline")
@@ -273,7 +276,10 @@ def _mark_cells(ax, prows: Sequence[dict], layers: list, columns_: list, fontsiz
         i, j = layers.index(r["layer"]), columns_.index(_column(r, columns))
         if r.get("error"):
             ax.text(j, i, "failed", ha="center", va="center", fontsize=fontsize, color="black")
-        elif r.get("fluent") is False:
+            continue
+        if within_noise(r):  # a white veil: the colour fades, the number stays readable
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=(1, 1, 1, 0.65), edgecolor="none", linewidth=0))
+        if r.get("fluent") is False:
             ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx", edgecolor=(0, 0, 0, 0.3), linewidth=0))
 
 
@@ -285,9 +291,37 @@ def _cross_out(ax, points: Sequence[tuple[float, dict]]) -> None:
 
 
 def _legend(ax) -> None:
+    from matplotlib.patches import Patch
+
     if any(h.get_label() == "_crossed" for h in ax.get_lines()):
         ax.plot([], [], "x", color="black", markersize=9, linestyle="none", label="not fluent")
-    ax.legend(fontsize=7)
+    handles, labels = ax.get_legend_handles_labels()
+    if ax.collections:  # the bands fill_between drew
+        handles.append(Patch(facecolor="grey", alpha=0.25, label="band: ± 1 stderr over samples"))
+    ax.legend(handles=handles, fontsize=7)
+
+
+def within_noise(r: dict) -> bool:
+    """A change whose paired 95 % interval (`delta_low`, `delta_high`) includes 0."""
+    lo, hi = r.get("delta_low"), r.get("delta_high")
+    return lo is not None and hi is not None and lo <= 0 <= hi
+
+
+def _has_value(r: dict | None) -> bool:
+    return r is not None and r["value"] is not None
+
+
+def _own_baselines(rows: Sequence[dict]) -> dict[int, dict]:
+    """{layer: its unsteered point} for rows measured against their own unsteered value (an SAE feature's
+    activation, no baseline row): value − delta; {} when any row lacks one."""
+    out = {}
+    for r in rows:
+        if r["value"] is None or r.get("delta") is None:
+            continue
+        out.setdefault(r["layer"], {**r, "config": BASELINE, "alpha": 0.0, "value": r["value"] - r["delta"], "stderr": None,
+                                    "delta": 0.0, "delta_low": None, "delta_high": None, "fluent": None, "error": None})  # fmt: skip
+    layers = {r["layer"] for r in rows}
+    return out if out and set(out) == layers else {}
 
 
 def _y(r: dict) -> float:

@@ -63,6 +63,7 @@ def swapped_executor(lm, executor):
 def lm_eval_per_config(lm, args, sweep, calls, answers, results, output, echo, failed: dict[int, str]) -> None:
     """lm-eval's results per configuration into `results`, its recorded `calls` answered from the grid's
     `answers`; a `failed` configuration (non-finite scores) is skipped: its rows are failed cells."""
+    from driver.judge.prompting import PROMPT, task_plan
     from driver.lm.evaluation import evaluate
 
     offsets: dict[str, int] = {"loglikelihood": 0, "generate": 0}
@@ -73,6 +74,9 @@ def lm_eval_per_config(lm, args, sweep, calls, answers, results, output, echo, f
     for c, config in enumerate(sweep.configs[1:], 1):
         if c in failed:
             continue  # a non-finite score: lm-eval would fail on it (or score empty texts); its rows are failed cells
+        if config.op == PROMPT:  # other contexts, other requests: its own lm-eval run, unsteered, computed or cached
+            results[config.id] = evaluate(lm, args, task_plan(sweep.plan, config), str(output)).results
+            continue
         if config.steering.conditional:  # as `driver run --steer` runs it, counting the rows fired per task; its
             with lm.steered(config.steering, config.record):  # requests come from the cache its own jobs filled
                 results[config.id] = evaluate(lm, args, sweep.plan, str(output)).results

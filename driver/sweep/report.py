@@ -7,6 +7,9 @@ leaves the previous outputs (or none) in place.
 Files in the output folder:
     results.jsonl, results.csv   one row per configuration × metric (COLUMNS)
     generations.jsonl            one row per configuration × prompt of a prompt set
+    samples.jsonl                one row per configuration × source × sample (driver.evidence.records)
+    steerability.csv             one row per steering family × source (driver.evidence.steerability.COLUMNS)
+    plots/steerability-<source>.png   each layer's per-sample slopes (driver.evidence.draw)
     lm-eval/<config>.json        lm-eval's results for that configuration
     plots/heatmap-<task>-<metric>.png, plots/lines-<task>-<metric>.png   (driver.sweep.plots; sites without heads)
     plots/heads-<task>-<metric>.png    layers × heads, per alpha (head sites: attn_head)
@@ -24,12 +27,17 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from driver.checks.files import write_atomic
 from driver.lm.evaluation import per_worker
+from driver.evidence import draw
+from driver.evidence.analysis import analyse
+from driver.evidence.steerability import COLUMNS as STEERABILITY
+from driver.judge.compare import judge_facts
+from driver.judge.pareto import pareto_plots
 from driver.sweep import outdir
 from driver.sweep.plots import HEADS, by_metric, facets, heatmap, lines
 from driver.sweep.rows import FIRED, failures
@@ -38,26 +46,7 @@ from driver.sweep.summary import condition_facts, summary_md
 __all__ = ["COLUMNS", "write_outputs", "read_csv", "run_facts", "problems", "slug"]
 
 COLUMNS = ("config", "vector", "layer", "site", "head", "op", "positions", "alpha", "threshold", "task", "metric", "value", "stderr", "n",
-           "delta", "fluent", "error")  # fmt: skip
-
-# --- atomic files ---------------------------------------------------------------------------------------------
-
-
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
-    """Write `data` to `path` through a temp file in the same folder and os.replace (parents created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+           "delta", "delta_low", "delta_high", "fluent", "error")  # fmt: skip
 
 
 def _json_default(obj: Any) -> Any:
@@ -87,12 +76,12 @@ def _jsonl(rows: Iterable[dict]) -> str:
     return "".join(_json(r) + "\n" for r in rows)
 
 
-def _csv(rows: Sequence[dict]) -> str:
+def _csv(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> str:
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n", extrasaction="ignore")
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
     for r in rows:
-        writer.writerow({k: ("" if strict(r.get(k)) is None else r[k]) for k in COLUMNS})
+        writer.writerow({k: ("" if strict(r.get(k)) is None else r[k]) for k in columns})
     return out.getvalue()
 
 
@@ -124,6 +113,7 @@ def write_outputs(outcome, folder: str | os.PathLike) -> dict[str, Any]:
     this one did not write (its other plots and configurations; never the cache); returns {what: path(s)}."""
     folder = Path(folder)
     rows = outcome.rows
+    evidence = analyse(outcome, outcome.sweep.spec.select)  # before the plots: they mute cells whose interval holds 0
     written: dict[str, Any] = {}
     files = set()
     for config_id, results in outcome.lm_eval.items():
@@ -142,19 +132,29 @@ def write_outputs(outcome, folder: str | os.PathLike) -> dict[str, Any]:
             files.add(write_atomic(folder / path, png))
         if drawn:
             plots[(task, metric)] = [path for path, _ in drawn]
+    for source, png in draw.steerability_plots(evidence.steerability).items():
+        files.add(write_atomic(folder / f"plots/steerability-{slug(source)}.png", png))
+        plots[(source, "steerability")] = [f"plots/steerability-{slug(source)}.png"]
+    for source, (metric, png) in pareto_plots(rows).items():  # with a judge: behaviour against its fluency
+        files.add(write_atomic(folder / f"plots/pareto-{slug(source)}.png", png))
+        plots[(source, f"{metric} vs judge_fluency")] = [f"plots/pareto-{slug(source)}.png"]
     written["plots"] = plots
+    written["samples"] = write_atomic(folder / "samples.jsonl", _jsonl(evidence.records))
+    written["steerability"] = write_atomic(folder / "steerability.csv", _csv(evidence.steerability, STEERABILITY))
     written["generations"] = write_atomic(folder / "generations.jsonl", _jsonl(outcome.generations))
     facts = {**run_facts(outcome.info, outcome.seconds), "sweep": str(outcome.sweep.path.absolute()),
              "configurations": [{**c.fields, "steering_key": c.steering.key()} for c in outcome.sweep.configs],
              "failed": failures(rows), "not_fluent": sorted({r["config"] for r in rows if r.get("fluent") is False}),
              "metrics": [list(k) for k in by_metric(rows)], "worker_facts": outcome.info.get("facts"),
+             "select": evidence.select, "selection": evidence.selection,
              **({"top_features": outcome.sweep.top_features} if outcome.sweep.top_features else {}),
+             **({"judge": judge_facts(outcome)} if outcome.sweep.judge else {}),
              **({"condition": condition_facts(outcome.sweep, rows)} if outcome.sweep.spec.condition else {})}  # fmt: skip
     written["run"] = write_atomic(folder / "run.json", _json(facts, indent=2))
-    written["summary"] = write_atomic(folder / "summary.md", summary_md(outcome, plots, facts))
+    written["summary"] = write_atomic(folder / "summary.md", summary_md(outcome, plots, facts, evidence))
     written["csv"] = write_atomic(folder / "results.csv", _csv(rows))
     written["jsonl"] = write_atomic(folder / "results.jsonl", _jsonl({k: r.get(k) for k in COLUMNS} for r in rows))
-    files |= {written[k] for k in ("generations", "run", "summary", "csv", "jsonl")}
+    files |= {written[k] for k in ("generations", "samples", "steerability", "run", "summary", "csv", "jsonl")}
     written["removed"] = outdir.remove_stale(folder, files)
     return written
 
@@ -165,8 +165,8 @@ def read_csv(path: str | os.PathLike) -> list[dict]:
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             row: dict[str, Any] = {k: (v if v != "" else None) for k, v in r.items()}
-            for k in ("value", "stderr", "delta", "alpha", "threshold"):
-                row[k] = float(r[k]) if r[k] != "" else None
+            for k in ("value", "stderr", "delta", "delta_low", "delta_high", "alpha", "threshold"):
+                row[k] = float(r[k]) if r.get(k) not in (None, "") else None
             for k in ("layer", "head", "n"):
                 row[k] = int(r[k]) if r[k] != "" else None
             row["fluent"] = {"True": True, "False": False}.get(r.get("fluent") or "")

@@ -7,35 +7,16 @@ configuration is reported failed."""
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
+from driver.evidence.records import BASELINE
+from driver.evidence.stats import finite, mean_stderr, sigmoid  # here too: where the rows' callers find them
 
-BASELINE = "baseline"
 NON_FINITE = "non-finite log-likelihood"
 EMPTY = "every generation is empty"  # no value, but not a failure: the configuration is flagged not fluent
 FIRED = "fired"  # a conditional configuration's share of rows its condition steered (a task's or prompt set's)
 PROMPT_HIGHER = {"logprob_negative": False, FIRED: None}
-
-
-def finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def sigmoid(d: float) -> float:
-    """1 / (1 + e^-d), without overflow for large |d|."""
-    if d >= 0:
-        return 1.0 / (1.0 + math.exp(-d))
-    e = math.exp(d)
-    return e / (1.0 + e)
-
-
-def mean_stderr(values: Sequence[float]) -> tuple[float, float | None]:
-    a = np.asarray(values, dtype=np.float64)
-    return float(a.mean()), (float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else None)
 
 
 def _metric(metric: str, values: list[float], bad: list[str]) -> tuple[str, float | None, float | None, int, str | None]:

@@ -18,14 +18,19 @@ A configuration whose scores are non-finite is set aside (driver.sweep.grid) and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.spec import Grouping
 
 from driver.checks.groups import tell
+from driver.judge import prompting
+from driver.judge import rate as judging
+from driver.judge.schema import sample_seeds
+from driver.evidence.records import prompt_records, task_records
 from driver.sweep import fluency
 from driver.sweep.grid import run_grids
 from driver.sweep.configs import measure_features
@@ -49,6 +54,7 @@ class Outcome:
     info: dict  # the executor's facts
     seconds: float
     higher_is_better: dict[tuple[str, str], bool | None]
+    samples: list[dict] = field(default_factory=list)  # per-sample records (driver.evidence.records)
 
 
 def _encode_target(lm, context: str, continuation: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -57,26 +63,30 @@ def _encode_target(lm, context: str, continuation: str) -> tuple[tuple[int, ...]
     return tuple(ctx), tuple(cont)
 
 
-def _prompt_requests(lm, sweep: Sweep) -> tuple[list, list, list, list]:
+def _prompt_requests(lm, sweep: Sweep, text: str | None = None) -> tuple[list, list, list, list]:
     """The prompt sets' requests: (targets [(set, prompt index, target, tokens)], their token pairs, gens [(set,
-    prompt index)], their generation requests), with one warning per set for unequal targets and truncation."""
+    prompt index, seed)], their generation requests: one per prompt and seed), with one warning per set for unequal
+    targets and truncation; `text`: a prompting baseline's, before every prompt (driver.judge.prompting; no warnings)."""
     targets, pairs, gens, gen_requests = [], [], [], []
     for name, (ps, prompts) in sweep.prompt_sets.items():
         lengths, long_prompts, first = [], 0, len(pairs)
         for i, p in enumerate(prompts):
+            seen = p.text if text is None else prompting.prefixed(lm.tokenizer, text, p.text)
             lengths.append({})
             for t, continuation in p.targets.items():
-                pairs.append(_encode_target(lm, p.text, continuation))
+                pairs.append(_encode_target(lm, seen, continuation))
                 targets.append((name, i, t, len(pairs[-1][1])))
                 lengths[-1][t] = (continuation, len(pairs[-1][1]))
             if ps.generate:
                 gen_kwargs = {"until": list(ps.until), "max_gen_toks": ps.max_gen_toks, "temperature": ps.temperature,
                               "do_sample": ps.temperature > 0}  # fmt: skip
-                gens.append((name, i))
-                gen_requests.append(lm.generation_request(p.text, gen_kwargs, ps.seed))
-                long_prompts += len(gen_requests[-1].context) < len(lm.tok_encode(p.text))
-        unequal_lengths(name, lengths, ps.target_score)
-        truncated(name, count_long(pairs[first:], lm.max_length), long_prompts, len(prompts), lm.max_length)
+                for seed in sample_seeds(ps):  # greedy: one text (None), drawn as `seed` always was
+                    gens.append((name, i, seed))
+                    gen_requests.append(lm.generation_request(seen, gen_kwargs, ps.seed if seed is None else seed))
+                long_prompts += len(gen_requests[-1].context) < len(lm.tok_encode(seen))
+        if text is None:
+            unequal_lengths(name, lengths, ps.target_score)
+            truncated(name, count_long(pairs[first:], lm.max_length), long_prompts, len(prompts), lm.max_length)
     return targets, pairs, gens, gen_requests
 
 
@@ -103,7 +113,9 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
             choose_top(sweep, lm, echo)
         configs, steerings = sweep.configs, [c.steering for c in sweep.configs]
         placed = lm.executor.info()["workers"]  # none yet when the cache holds this model's results
-        echo(f"sweep: {len(configs) - 1} configuration{'s' * (len(configs) != 2)} + the baseline" + (f" on {placed} worker{'s' * (placed != 1)}" if placed else ""))
+        n, k = len(sweep.grid), len(sweep.prompting)
+        said = f"sweep: {n} configuration{'s' * (n != 1)} + the baseline" + (f" + {k} prompting baseline{'s' * (k != 1)}" if k else "")
+        echo(said + (f" on {placed} worker{'s' * (placed != 1)}" if placed else ""))
         # 1. lm-eval, unsteered: the baseline's metrics, and the requests every configuration sends
         calls: list = []
         results: dict[str, dict] = {}
@@ -119,7 +131,12 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         targets, target_pairs, gens, gen_requests = _prompt_requests(lm, sweep)
         wanted["loglikelihood"] += target_pairs
         wanted["generate"] += gen_requests
-        answers, failed, fired = run_grids(lm.executor, steerings, wanted, echo)  # a non-finite configuration is set aside
+        steering = steerings[: len(configs) - len(sweep.prompting)]  # the prompting baselines (last) are not grid cells
+        answers, failed, fired = run_grids(lm.executor, steering, wanted, echo)  # a non-finite configuration is set aside
+        if sweep.prompting:
+            prompted = [_prompt_requests(lm, sweep, c.text)[1::2] for c in sweep.prompting]  # (target pairs, generations) each
+            counts = {kind: sum(len(r) for k, r in calls if k == kind) for kind in wanted}
+            prompting.answer(lm.executor, prompted, answers, failed, counts, len(steering), echo)
         measured = measure_features(sweep, lm, echo)  # an SAE feature's activation under its configuration, on its prompts
         # 3. lm-eval per configuration, answered from the grid
         if sweep.plan is not None:
@@ -130,48 +147,72 @@ def run(sweep: Sweep, *, workers: str = "all", address: str | None = None, outpu
         info = lm.executor.info()
     finally:
         lm.executor.close()
-    return _outcome(sweep, results, answers, targets, gens, calls, (texts, scores, failed, fired, measured), info, time.monotonic() - start)
+    judged = _judged(sweep, args, texts, gens, failed, info, echo)  # the judge, on the workers the model left
+    generated = (texts, scores, failed, fired, measured, judged, _inputs(lm, sweep))
+    return _outcome(sweep, results, answers, targets, gens, calls, generated, info, time.monotonic() - start)
+
+
+def _inputs(lm, sweep) -> dict[str, dict[str, list]]:
+    """{prompting baseline: {prompt set: its prompts as that baseline shows them}} (its text before each)."""
+    return {c.id: {name: [dataclasses.replace(p, text=prompting.prefixed(lm.tokenizer, c.text, p.text)) for p in prompts]
+                   for name, (_, prompts) in sweep.prompt_sets.items()} for c in sweep.prompting}  # fmt: skip
+
+
+def _judged(sweep, args, texts, gens, failed, info, echo) -> dict[tuple[int, int], judging.Judged]:
+    """{(configuration, generation): its ratings} by the file's judge (none without one, nor for a failed
+    configuration); the judge's executor facts go into `info` ("judge")."""
+    if sweep.judge is None or not gens:
+        return {}
+    cells = [(c, j) for c in range(len(texts)) if c not in failed for j in range(len(gens))]
+    rated, info["judge"] = judging.judge_generations(sweep.judge, args, [texts[c][j] for c, j in cells], echo)
+    return dict(zip(cells, rated))
 
 
 def _texts(sweep, configs, answers, gens, calls) -> list[list[tuple[str, str]]]:
     """[configuration][generation] (prompt, generated text) of the prompt sets."""
     skip = sum(len(r) for k, r in calls if k == "generate")
-    return [[(sweep.prompt_sets[s][1][i].text, answers["generate"][c][skip + j]) for j, (s, i) in enumerate(gens)]
+    return [[(sweep.prompt_sets[s][1][i].text, answers["generate"][c][skip + j]) for j, (s, i, _) in enumerate(gens)]
             for c in range(len(configs))]  # fmt: skip
 
 
 def _outcome(sweep, results, answers, targets, gens, calls, generated, info, seconds) -> Outcome:
-    texts, scores, failed, fired, measured = generated
-    rows, generations, better = [], [], {}
+    texts, scores, failed, fired, measured, judged, inputs = generated
+    rows, generations, better, samples = [], [], {}, []
     n_task_ll = sum(len(r) for k, r in calls if k == "loglikelihood")
     for c, config in enumerate(sweep.configs):
         if sweep.plan is not None:
-            why = (lm_eval_failure(answers["loglikelihood"][c][:n_task_ll]) if n_task_ll else None) or failed.get(c)
+            own = n_task_ll and config.op != prompting.PROMPT  # a prompting baseline's lm-eval requests are its own run's
+            why = (lm_eval_failure(answers["loglikelihood"][c][:n_task_ll]) if own else None) or failed.get(c)
             found, hib = lm_eval_rows(results.get(config.id, results[BASELINE]), why)  # failed: the baseline's metrics
             found += fired_rows((results.get(config.id) or {}).get("orchard_fired", {}))
             better.update({(t, m): None for t, m, *_ in found if m == FIRED})
             better.update(hib)
             rows += [{**config.fields, "task": t, "metric": m, "value": v, "stderr": s, "n": n, "error": e} for t, m, v, s, n, e in found]
+            samples += task_records(config.fields, results.get(config.id) if not why else None)  # lm-eval's per-document values
         rows += [{**config.fields, **row} for row in measured.get(c, [])]
         for name, (ps, prompts) in sweep.prompt_sets.items():
             logprobs = {(i, t): target_score(float(answers["loglikelihood"][c][n_task_ll + j][0]), k, ps.target_score or "sum")
                         for j, (s, i, t, k) in enumerate(targets) if s == name}  # fmt: skip
-            mine = [j for j, (s, _) in enumerate(gens) if s == name]
+            seen = inputs.get(config.id, {}).get(name, prompts)  # the prompts as this configuration's model read them
+            samples += prompt_records(config.fields, name, seen, logprobs)
+            mine = [j for j, (s, *_) in enumerate(gens) if s == name]
             found = prompt_rows(prompts, logprobs, ps.file) + (fluency.rows([texts[c][j] for j in mine], scores, failed.get(c)) if mine else [])
+            found += judging.rows([judged.get((c, j)) for j in mine], failed.get(c)) if mine and sweep.judge else []
             found += _fired_in_set(fired.get(c), name, targets, gens, n_task_ll, calls)
             for metric, value, stderr, n, error in found:
                 rows.append({**config.fields, "task": name, "metric": metric, "value": value, "stderr": stderr, "n": n, "error": error})
                 better[(name, metric)] = {**PROMPT_HIGHER, **fluency.METRICS}.get(metric, True)
             for j in mine:
-                i = gens[j][1]
-                generations.append({**config.fields, "prompt_set": name, "index": i, "line": prompts[i].line,
-                                    "prompt": prompts[i].text, "text": texts[c][j][1],
+                i, seed = gens[j][1:]
+                generations.append({**config.fields, "prompt_set": name, "index": i, "line": prompts[i].line, "seed": seed,
+                                    "prompt": prompts[i].text, "input": seen[i].text, "text": texts[c][j][1],
                                     "fluency_logprob": scores.get(texts[c][j]),
-                                    "repetition_rate": fluency.repetition_rate(texts[c][j][1]), "error": failed.get(c)})  # fmt: skip
+                                    "repetition_rate": fluency.repetition_rate(texts[c][j][1]), "error": failed.get(c),
+                                    **judging.fields(judged.get((c, j)))})  # fmt: skip
     add_deltas(rows)
     fluency.mark(rows, generations)
     lm_eval_results = {k: {key: v for key, v in r.items() if key != "samples"} for k, r in results.items()}
-    return Outcome(sweep, rows, generations, lm_eval_results, info, seconds, better)
+    return Outcome(sweep, rows, generations, lm_eval_results, info, seconds, better, samples)
 
 
 def _fired_in_set(flags: dict | None, name: str, targets, gens, n_task_ll: int, calls) -> list[tuple]:

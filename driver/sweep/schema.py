@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from worker.spec import HEAD_SITES, SITES
 
 from driver.checks import settings
 from driver.checks.errors import one_line
+from driver.evidence.selection import Select
+from driver.judge.schema import Judge, check_prompting, check_seeds
 from driver.steering.schema import ConditionFields
 from driver.steering.userfiles import explain, load_yaml, short, yaml_problem
 
@@ -224,6 +226,7 @@ class PromptSet(BaseModel):
     max_gen_toks: StrictInt = Field(default=64, ge=1)
     temperature: Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)] = 0.0  # strict: `true` is not 1.0
     seed: StrictInt = 0  # with temperature > 0: each (prompt, seed) draws the same sample on any worker
+    seeds: tuple[StrictInt, ...] | None = None  # with temperature > 0: a sample per prompt and seed (driver.judge.schema)
     until: tuple[str, ...] = ()
     # a target's summed log-prob (its whole probability), or its mean per token; unset: sum, with a warning
     # when a prompt's targets differ in token length
@@ -233,6 +236,10 @@ class PromptSet(BaseModel):
     @classmethod
     def _until(cls, v: Any) -> Any:
         return _listify(v)
+
+    @model_validator(mode="after")
+    def _seeds(self) -> PromptSet:
+        return check_seeds(self, "seed" in self.model_fields_set)
 
 
 class Condition(ConditionFields):
@@ -260,6 +267,9 @@ class SweepFile(BaseModel):
     tasks: Tasks | None = None
     prompts: tuple[PromptSet, ...] = ()
     condition: Condition | None = None  # conditional steering (CAST) of every configuration, at each of grid.thresholds
+    select: Select | None = None  # choose the best on one part of the samples, report it on the other
+    prompting: Annotated[dict[str, str], BeforeValidator(check_prompting)] = {}  # NAME -> text before every prompt (driver.judge)
+    judge: Judge | None = None  # a second model rating every generation (driver.judge.rate)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -307,7 +317,7 @@ class SweepFile(BaseModel):
 # --- pydantic errors as one line ---------------------------------------------------------------------------
 
 _MODELS = {"": SweepFile, "model": ModelSettings, "grid": Grid, "tasks": Tasks, "prompts": PromptSet, "vectors": VectorSource,
-           "condition": Condition}
+           "condition": Condition, "select": Select, "judge": Judge}
 
 
 def _is_tag(part: Any) -> bool:
