@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import failures
+from .embedded import session
 
 LOCAL = "local"
 START_HINT = "start one with `ray start --head --resources='{\"mlx\": 1}'`, or pass --address local"
@@ -50,22 +52,23 @@ class Connection:
     def close(self) -> None:
         import ray
 
-        if self.embedded and ray.is_initialized():
+        if self.embedded and ray.is_initialized() and not session.ending():  # after the CLI's Ctrl-C: killed at exit
+            folder = session.folder()
             with signals_held():
                 ray.shutdown()
+            session.remove_session(folder)  # one left per run otherwise
 
 
 @contextlib.contextmanager
 def signals_held():
-    """Ctrl-C or SIGTERM waits until the block ends, then acts as it would have: a Ray shutdown cut halfway
-    leaves its C++ core to exit the process with status 1 (not the command's 130) and its processes behind."""
+    """Ctrl-C or SIGTERM waits until the block ends, then acts as it would have (a Ray shutdown cut halfway leaves
+    its C++ core to exit the process with status 1, not the command's 130, and its processes behind)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    import signal
-
-    caught: list[int] = []
-    held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    caught: list[int] = []  # a second Ctrl-C: stop now, Ray's processes killed (cluster.embedded.session)
+    held = {s: signal.signal(s, lambda signum, frame: session.end_now() if caught else caught.append(signum))
+            for s in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
     try:
         yield
     finally:
@@ -334,20 +337,17 @@ def describe(address: str | None) -> str:
 
 
 def _init(ray, **kwargs) -> None:
-    """ray.init whole: Ctrl-C or SIGTERM waits for it (cut, it swallowed them, held `logging`'s lock: a hang, or left
-    its processes), then Ray shuts down and they act. The process's own SIGTERM handler (driver: Ctrl-C's) stays."""
-    import signal
-
+    """ray.init, ended at once by Ctrl-C or SIGTERM in the CLI (cluster.embedded.session), its own error leaving
+    nothing of this Ray. The process's own SIGTERM handler (driver: Ctrl-C's) stays."""
     import ray._private.utils as ray_utils
 
-    handler = signal.getsignal(signal.SIGTERM)
-    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+    if not callable(signal.getsignal(signal.SIGTERM)) or threading.current_thread() is not threading.main_thread():
         return ray.init(**kwargs)
     own, ray_utils.set_sigterm_handler = ray_utils.set_sigterm_handler, lambda _: None
     try:
-        with signals_held():  # which sets SIGTERM's handler back as it leaves
+        with session.cut_at_once():
             ray.init(**kwargs)
-    except BaseException:  # the held interrupt (or ray.init's own error): nothing of this Ray stays
+    except BaseException:  # ray.init's own error: nothing of this Ray stays
         Connection(LOCAL, embedded=True).close()  # (joined to a cluster: only this process's connection ends)
         raise
     finally:
@@ -383,8 +383,9 @@ def connect(address: str | None = None, *, local_workers: int = 1, dashboard: bo
         # Ray's note that it turned token auth on for the embedded session (loopback only) is not news here.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         try:
-            _init(ray, address="local", _node_ip_address="127.0.0.1", include_dashboard=dashboard,
-                  resources={"mlx": local_workers}, **quiet)  # fmt: skip
+            with session.token_told():
+                _init(ray, address="local", _node_ip_address="127.0.0.1", include_dashboard=dashboard,
+                      resources={"mlx": local_workers}, **quiet)  # fmt: skip
         except Exception as e:  # Ray's own start failed (not Ctrl-C): a raylet that never registered, a long socket path
             raise ClusterError(failures.start_problem(e)) from None
         return Connection(LOCAL, embedded=True)

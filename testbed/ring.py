@@ -17,42 +17,74 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+STALL = 120.0  # seconds with no rank finishing a step (a model's load, a job): a hung ring, stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_split(models: dict, grouping: Any, work: list, *, dtype: str | None = None, timeout: float = 300) -> list[dict]:
+def run_split(models: dict, grouping: Any, work: list, *, dtype: str | None = None, timeout: float = 300,
+              stall: float = STALL) -> list[dict]:  # fmt: skip
     """Each rank's report {rank, layers and load_peak_gb and weights_bytes: {name: ...}, peak_gb, results}, in rank
-    order; RuntimeError on a rank that fails (every rank is stopped)."""
+    order; RuntimeError on a rank that fails, on `timeout` seconds in all, or on `stall` seconds in which no rank
+    finished a step (every rank is stopped: a hang fails in minutes, not at the whole run's deadline)."""
     from worker.split import free_address
 
     hostfile = [free_address("127.0.0.1") for _ in range(grouping.size)]
     with tempfile.TemporaryDirectory(prefix="orchard-ring-") as folder:
         task = Path(folder) / "task.pkl"
         task.write_bytes(pickle.dumps({"models": {k: str(v) for k, v in models.items()}, "dtype": dtype, "grouping": grouping, "work": work, "hostfile": hostfile}))
-        procs = [subprocess.Popen([sys.executable, "-m", "testbed.ring", str(task), str(rank)], cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-                 for rank in range(grouping.size)]  # fmt: skip
-        outputs = _wait(procs, timeout)
-        for rank, (proc, out) in enumerate(zip(procs, outputs)):
-            if proc.returncode != 0:
-                raise RuntimeError(f"rank {rank} exited {proc.returncode}: {out[-2000:]}")
+        logs = [Path(folder) / f"rank{rank}.log" for rank in range(grouping.size)]
+        procs = [_start([sys.executable, "-m", "testbed.ring", str(task), str(rank)], log) for rank, log in enumerate(logs)]
+        _wait(procs, logs, timeout, stall)
         return [pickle.loads((Path(folder) / f"rank{rank}.pkl").read_bytes()) for rank in range(grouping.size)]
 
 
-def _wait(procs: list, timeout: float) -> list[str]:
-    outputs = []
+def _start(argv: list[str], log: Path) -> subprocess.Popen:
+    with log.open("w") as out:  # a file, not a pipe: nothing blocks a rank while the parent only watches
+        return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _wait(procs: list, logs: list[Path], timeout: float, stall: float) -> None:
+    """Until every rank exits 0; RuntimeError at once when one fails, or on a stall or the timeout (every rank is
+    stopped either way). A rank's steps are counted in its log's `step` lines (`_stepped`)."""
+    start = last = time.monotonic()
+    seen, failed = None, []
     try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
+        while None in [p.poll() for p in procs]:  # every rank polled: a failed one is seen while its peers wait
+            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed:  # its peers would wait on it until the stall watch fired
+                break
+            now, steps = time.monotonic(), [_steps(log) for log in logs]
+            if steps != seen:
+                seen, last = steps, now
+            if now - last > stall or now - start > timeout:
+                why = f"no rank finished a step in {stall:.0f} s" if now - last > stall else f"still running after {timeout:.0f} s"
+                raise RuntimeError(f"ring stopped: {why} (steps done per rank: {steps}): {_tails(logs)}")
+            time.sleep(0.2)
     finally:
         for proc in procs:  # never leave a rank behind (a hung ring, a failed peer)
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
-    return outputs
+            proc.wait()
+    for rank in failed or [r for r, p in enumerate(procs) if p.returncode != 0]:
+        raise RuntimeError(f"rank {rank} exited {procs[rank].returncode}: {logs[rank].read_text(errors='replace')[-2000:]}")
+
+
+def _steps(log: Path) -> int:
+    return log.read_text(errors="replace").count("\nstep\n") if log.exists() else 0
+
+
+def _tails(logs: list[Path]) -> str:
+    return " | ".join(f"rank {r}: {log.read_text(errors='replace')[-600:]!r}" for r, log in enumerate(logs))
+
+
+def _stepped() -> None:
+    """One more step done (a model loaded, a job run): the parent's stall watch reads these lines."""
+    print("\nstep", flush=True)
 
 
 def pipeline_models(stories: Path, folder: Path, configs: dict) -> dict:
@@ -138,6 +170,7 @@ def main(task_path: str, rank: int) -> None:
         mx.reset_peak_memory()
         models[name] = load(ModelSpec(model=folder, dtype=task["dtype"]), group=group, grouping=grouping)
         layers[name], load_peak[name] = models[name].layers, peak_memory_gb()
+        _stepped()
     held = {name: weights_held(lm) for name, lm in models.items()}
     calls = _count_collectives(mx.distributed)
     results, collectives, busy, lookups, entries = [], [], [], [], []
@@ -148,6 +181,7 @@ def main(task_path: str, rank: int) -> None:
         busy.append(CLOCK.busy - before[1])
         lookups.append(tuple(a - b for a, b in zip(_lookups(store(models[name])), before[2])))
         entries.append([(tokens, id(kv)) for (_, tokens), (kv, _) in store(models[name]).entries.items()])
+        _stepped()
     cascade = {name: getattr(lm.model, "_orchard_cascade", None) for name, lm in models.items()}  # its verdict, if asked
     stores = {name: store(lm).stats() for name, lm in models.items()}
     report = {"rank": rank, "layers": layers, "load_peak_gb": load_peak, "peak_gb": peak_memory_gb(),

@@ -39,6 +39,8 @@ if MMLU_CACHE.is_dir():
 # order, so these start first and the many short files fill the end, instead of a long file starting last.
 SLOW_FILES = [
     "test_cli.py", "test_sweep.py", "test_groups.py", "test_nodes.py", "test_cluster.py", "test_fresh_install.py",
+    "test_sweep_prompting.py", "test_patch_worker.py", "test_sweep_evidence.py", "test_sweep_judge.py", "test_ux_probe4.py",
+    "test_patch_cli.py", "test_guards_probe2_sigint.py", "test_guards_probe4_ring.py",
     "test_steering_run.py", "test_errors.py", "test_steer_sites.py", "test_architectures.py", "test_stage.py",
     "test_grid.py", "test_pipeline_generate.py", "test_rerun.py", "test_steer_ops.py", "test_pipeline_grid.py",
     "test_cli_faults.py", "test_vectors.py", "test_generate_prefix.py", "test_sweep_features.py", "test_steer_condition_groups.py",

@@ -122,7 +122,7 @@ def ring(request, models):
     """(K, each rank's report with results {model: {label: results}}) from one pipeline ring of K processes."""
     size = request.param
     work = [(name, job, reqs, batching) for name in models for _, job, reqs, batching in _work(name, size)]
-    reports = run_split(models, Grouping(size=size, split="pipeline"), work, timeout=900)
+    reports = run_split(models, Grouping(size=size, split="pipeline"), work, timeout=600)
     labels = [(name, label) for name in models for label, *_ in _work(name, size)]
     by_model(reports, labels)
     return size, reports

@@ -162,7 +162,7 @@ def ring(request, models):
     """(K, each rank's report; its results, collectives, busy seconds, lookups, entries: {model: {label: ...}})."""
     size = request.param
     work = [(name, job, reqs, b) for name in models for _, job, reqs, b in _work(name, size)]
-    reports = run_split(models, Grouping(size=size, split="pipeline"), work, timeout=900)
+    reports = run_split(models, Grouping(size=size, split="pipeline"), work, timeout=600)
     labels = [(name, label) for name in models for label, *_ in _work(name, size)]
     by_model(reports, labels, ("results", "collectives", "busy", "lookups", "entries"))
     return size, reports

@@ -157,7 +157,7 @@ def test_check_resolves_negative_layers_and_validates_shape():
 
 
 def test_a_negative_layers_default_key_is_that_of_the_layer_it_resolves_to(tree):
-    """README's example: `layer: -1` with `vector: {file: ...}` reads `resid_post.<n_layers - 1>`."""
+    """docs/steering.md's example: `layer: -1` with `vector: {file: ...}` reads `resid_post.<n_layers - 1>`."""
     save_file({"resid_post.4": W, "resid_pre.3": V}, str(tree / "vecs" / "five.safetensors"))
     spec = {"interventions": [{"layer": -1, "op": "ablate", "vector": {"file": "five.safetensors"}, "normalize": True},
                               {"layer": -2, "site": "resid_pre", "vector": {"file": "five.safetensors"}}]}  # fmt: skip
@@ -362,7 +362,7 @@ def test_the_spec_allows_exactly_what_workers_accept():
     assert get_args(fields["positions"].annotation) == POSITIONS
 
 
-# --- README's own example, as a user runs it ------------------------------------------------------------------------
+# --- the steering page's own example (docs/steering.md), as a user runs it -------------------------------------------
 
 
 def _driver(*args, cwd: Path):
@@ -372,18 +372,18 @@ def _driver(*args, cwd: Path):
     return driver(*(session_address() if a == "session" else a for a in args), cwd=cwd)
 
 
-def readme_spec() -> str:
-    """The first YAML block of README's "## Steering" section, as printed there."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("\n## Steering\n") :]
-    return section[section.index("```yaml\n") + 8 : section.index("```", section.index("```yaml\n") + 8)]
+def steering_page_spec() -> str:
+    """The first YAML block of the steering page (docs/steering.md, which README links), as printed there."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "steering.md").read_text()
+    start = page.index("```yaml\n") + 8
+    return page[start : page.index("```", start)]
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_readmes_steering_example_runs_as_printed(stories_path, tasks_dir, tmp_path):
+def test_the_steering_pages_example_runs_as_printed(stories_path, tasks_dir, tmp_path):
     """`layer: -1` with `vector: {file: vectors.safetensors}` reads the key `resid_post.<the last layer>` (4 on the
-    5-layer TinyStories model), as README says; the file holds only that key, so no other reading can pass."""
-    spec = readme_spec()
+    5-layer TinyStories model), as docs/steering.md says; the file holds only that key, so no other reading can pass."""
+    spec = steering_page_spec()
     assert "layer: -1" in spec and "vector: {file: vectors.safetensors}" in spec
     (tmp_path / "steer.yaml").write_text(spec)
     rng = np.random.default_rng(0)

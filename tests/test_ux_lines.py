@@ -7,6 +7,7 @@ is tested is the text written, which is pure logic."""
 from __future__ import annotations
 
 import io
+import re
 import sys
 import time
 
@@ -109,10 +110,15 @@ def test_a_phase_line_wider_than_the_terminal_has_no_spinner(terminal, monkeypat
     assert terminal.getvalue().split("\n")[1].startswith("driver: starting Ray: 1 worker\rdriver: starting Ray: 1 worker (")
 
 
-def test_a_transient_phase_shows_on_a_terminal_only_and_is_erased(terminal, capsys, monkeypatch):
-    """A check before Ray: a terminal shows it while it lasts (a refusal then stays the whole of stderr)."""
-    with quiet.phase("checking steer.yaml", after=0.05, transient=True):  # off a terminal: nothing
+def test_a_transient_phase_shows_on_a_terminal_while_it_lasts_and_is_erased(terminal, capsys, monkeypatch):
+    """A check before Ray: a terminal shows it while it lasts (a refusal then stays the whole of stderr); off a
+    terminal a check that passes says so with its time once it ends (issue 38.5), one that fails says nothing."""
+    with quiet.phase("checking steer.yaml", after=0.05, transient=True):
         time.sleep(0.4)
+    assert re.fullmatch(r"driver: checking steer\.yaml \(\d+\.\d s\)\n", capsys.readouterr().err)
+    with pytest.raises(ValueError), quiet.phase("checking steer.yaml", after=0.05, transient=True):
+        time.sleep(0.2)
+        raise ValueError("refused")
     assert capsys.readouterr().err == ""
     _on(terminal)
     with quiet.phase("checking steer.yaml", after=0.05, transient=True):

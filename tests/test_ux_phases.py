@@ -107,4 +107,4 @@ def test_what_auto_chose_is_said_unless_quiet(monkeypatch, capsys, quiet):
     if quiet == "1":
         assert said.err == ""
     else:
-        assert said.err.startswith("--group-size auto: 2 (") and "\n--split auto: pipeline (" in said.err, said.err
+        assert said.err.startswith("driver: --group-size auto: 2 (") and "\ndriver: --split auto: pipeline (" in said.err, said.err

@@ -44,7 +44,7 @@ def test_a_sweep_tells_its_phases_and_summary_says_why_not_fluent(ray_cluster, l
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["sweep", str(study), "--workers", "1", "--output", str(out)])
     assert result.exit_code == 0, result.output
-    phases = [line for line in result.stderr.splitlines() if line.startswith("driver: ")]
+    phases = [line for line in result.stderr.splitlines() if line.startswith("driver: ") and not line.startswith("driver: checking ")]
     assert phases[0].startswith("driver: opening ")
     assert phases[1] == f"driver: using the Ray cluster this process is connected to, at {ray_cluster.address}: 1 worker", phases
     assert any(p.startswith("driver: sweep: 4 configurations + the baseline") for p in phases), phases

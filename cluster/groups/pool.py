@@ -86,19 +86,25 @@ class GroupHandle:
         """Whether Ray counts any of its ranks dead."""
         return any(_actor_record(_actor_id(actor)).get("State") == "DEAD" for actor in self.ranks)
 
-    def why(self, settle_s: float = 2.0) -> str:
-        """'rank R on NODE died (...)' for the first rank Ray reports dead (waiting up to `settle_s` for Ray to
-        notice a killed process), else that the group broke."""
-        deadline = time.monotonic() + settle_s
-        while True:
-            for r, actor in enumerate(self.ranks):
-                record = _actor_record(_actor_id(actor))
-                if record.get("State") == "DEAD":
-                    address = record.get("Address") or {}
-                    return f"rank {r} on {node_label(address.get('NodeID'), address.get('IPAddress'))} {_death(record)[0]}"
-            if time.monotonic() >= deadline:
+    def why(self, settle_s: float = 2.0, others_s: float = 0.0) -> str:
+        """'rank R on NODE died (...)' for the rank that died first (waiting up to `settle_s` for Ray to notice a
+        killed process), else that the group broke. A rank dying takes its ring peers down moments later, and
+        Ray may record them first: among the ranks it counts dead (read again after `others_s`), the earliest end
+        wins. No longer wait by default: the live ranks' rings print errors until the group is killed."""
+        deadline, dead = time.monotonic() + settle_s, []
+        while not dead:
+            dead = self._dead()
+            if not dead and time.monotonic() >= deadline:
                 return "its ring broke"
-            time.sleep(0.1)
+            time.sleep(0.1 if not dead else others_s)
+        r, record = min(self._dead() or dead, key=lambda d: (d[1].get("EndTime") or float("inf"), d[0]))
+        address = record.get("Address") or {}
+        return f"rank {r} on {node_label(address.get('NodeID'), address.get('IPAddress'))} {_death(record)[0]}"
+
+    def _dead(self) -> list[tuple[int, dict]]:
+        """(rank, Ray's actor record) of each rank Ray counts dead."""
+        records = [(r, _actor_record(_actor_id(actor))) for r, actor in enumerate(self.ranks)]
+        return [(r, record) for r, record in records if record.get("State") == "DEAD"]
 
 
 def say(line: str) -> None:

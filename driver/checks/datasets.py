@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from driver.checks.errors import Refused
+from driver.checks.taskdata import check_task_files
 from driver.checks.tasks import _read_task_yaml, default_task_files, scan_task_files
 
 OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
@@ -32,7 +33,7 @@ def offline_set() -> list[str]:
 def cache_hint(error: object = "") -> str:
     """Where a missing dataset would be found: the datasets cache (a prepared MMLU cache only for an MMLU task)."""
     where = "put the dataset in the datasets cache (HF_DATASETS_CACHE"
-    return where + ("; e.g. a prepared cais___mmlu folder, see README)" if "mmlu" in str(error).lower() else ")")
+    return where + ("; a prepared cais___mmlu folder: docs/cluster.md)" if "mmlu" in str(error).lower() else ")")
 
 
 def dataset_hint(error: object = "") -> str:
@@ -110,25 +111,32 @@ def task_configs(name: str, files: dict[str, list[str]], seen: frozenset = froze
             yield str(cfg.get("task", name)), cfg
 
 
-def missing_datasets(names: list[str], include_path: str | None) -> list[tuple[str, str, str | None]]:
-    """(task, dataset_path, dataset_name) of each Hub dataset the tasks need that is not on this machine."""
+def named_configs(names: list[str], include_path: str | None) -> Iterator[tuple[str, dict]]:
+    """(task name, config) of every task the --tasks names (patterns, groups and tags followed) stand for."""
     files = dict(default_task_files())
     if include_path:
         for key, paths in scan_task_files(Path(include_path).expanduser()).items():
             files[key] = paths  # lm-eval: the include path's definition wins
-    out, said = [], set()
     for pattern in names:
         for name in fnmatch.filter(sorted(files), pattern) if any(c in pattern for c in "*?[") else [pattern]:
-            for task, cfg in task_configs(name, files):
-                ds = hub_dataset(cfg)
-                if ds is not None and ds not in said and not cached(*ds):
-                    said.add(ds)
-                    out.append((task, *ds))
+            yield from task_configs(name, files)
+
+
+def missing_datasets(names: list[str], include_path: str | None) -> list[tuple[str, str, str | None]]:
+    """(task, dataset_path, dataset_name) of each Hub dataset the tasks need that is not on this machine."""
+    out, said = [], set()
+    for task, cfg in named_configs(names, include_path):
+        ds = hub_dataset(cfg)
+        if ds is not None and ds not in said and not cached(*ds):
+            said.add(ds)
+            out.append((task, *ds))
     return out
 
 
 def check_datasets(names: list[str], include_path: str | None) -> None:
-    """Every task's dataset on disk, or the Hub reachable to fetch it; else one line for the first missing one."""
+    """Every task's dataset on disk, or the Hub reachable to fetch it; else one line for the first missing one. A
+    task's own data file that holds no rows is refused too (lm-eval fails on it after the model loaded)."""
+    check_task_files(named_configs(names, include_path))
     missing = missing_datasets(names, include_path)
     if not missing:
         return

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sqlite3
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from driver.checks.errors import BadUsage, Refused
@@ -44,6 +46,48 @@ def writable_file(path: str | os.PathLike, flag: str) -> Path:
         raise Refused(f"{flag} {path}: a folder is in the way (give a file name such as vectors.safetensors)")
     writable_folder(p.parent if str(p.parent) else ".", flag)
     return p
+
+
+# --- outputs, written atomically ---------------------------------------------------------------------------------
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write `data` to `path` atomically (see write_atomic_with); str is written as UTF-8."""
+    payload = data.encode() if isinstance(data, str) else data
+    return write_atomic_with(path, lambda tmp: Path(tmp).write_bytes(payload))
+
+
+def write_atomic_with(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` fills a temp file beside `path`, which then replaces `path` in one rename (parents created).
+
+    The temp file is created with mode 0666 less the umask, as open() would make `path` itself (mkstemp's 0600
+    would leave outputs unreadable to the group the umask allows). A failure leaves neither `path` half-written
+    nor the temp file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _fresh_temp(path)
+    try:
+        mode = tmp.stat().st_mode
+        write(tmp)
+        os.chmod(tmp, mode)  # a writer that makes its own file (safetensors' save_file: 0600) gets the umask's mode
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the output
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _fresh_temp(path: Path) -> Path:
+    """An empty new file beside `path`, its mode 0666 less the umask (the kernel applies the umask)."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
 
 
 # --- the result cache ---------------------------------------------------------------------------------------------

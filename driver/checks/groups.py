@@ -4,7 +4,6 @@ holding one copy of the model split across them; `--workers N` asks for N groups
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from worker.spec import Grouping
@@ -34,12 +33,11 @@ def tell_chosen(size: int | str, split: str, found: Grouping) -> None:
 
 
 def tell(lines: list[str]) -> None:
-    """What auto chose, on stderr, unless --quiet."""
-    from driver.lm.quiet import quiet
+    """What auto chose, on stderr as phase lines (`driver: ...`), unless --quiet."""
+    from driver.lm.quiet import say
 
-    if not quiet():
-        for line in lines:
-            print(line, file=sys.stderr)
+    for line in lines:
+        say(line)
 
 
 def share_fits(need_gb: float, size: int, have_gb: float) -> bool:

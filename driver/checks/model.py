@@ -155,10 +155,12 @@ def check_site(config: dict, site: str, layers) -> None:
         raise Refused(f"--site {site}: {gap}")
 
 
-def check_generation_room(config: dict, max_length: int | None, model_args: dict, gen_kwargs: dict | None) -> None:
+def check_generation_room(config: dict, max_length: int | None, model_args: dict, gen_kwargs: dict | None,
+                          tasks: tuple[list[str], str | None] | None = None) -> None:  # fmt: skip
     """Every max-new-tokens setting given (model_args' max_gen_toks, --gen-kwargs' max_gen_toks or an alias) leaves
     room for a prompt in the model's context window: lm-eval keeps the prompt's last (window - max_gen_toks)
-    tokens, so a limit at or past the window could never generate (found by the first request, after Ray)."""
+    tokens, so a limit at or past the window could never generate (found by the first request, after Ray).
+    `tasks` (names, include path): their YAMLs' own max_gen_toks too (driver.checks.taskdata)."""
     from driver.checks.errors import BadUsage
     from driver.checks.settings import MAX_TOKENS
     from worker.load import context_window
@@ -170,3 +172,8 @@ def check_generation_room(config: dict, max_length: int | None, model_args: dict
         if int(value) >= window:
             raise BadUsage(f"{where}={value}: must be less than the model's context window ({window} tokens), which "
                            f"must also hold the prompt: give a smaller limit{'' if max_length else ' or a larger --max-length'}")  # fmt: skip
+    if tasks:
+        from driver.checks.datasets import named_configs
+        from driver.checks.taskdata import check_task_room
+
+        check_task_room(named_configs(*tasks), window, model_args, gen_kwargs)

@@ -19,14 +19,14 @@ from driver.cli.run import GROUP_HELP, SPLIT_HELP, run
 @click.option(
     "--dir",
     "folder",
-    default="orchard-out/demo",
-    show_default=True,
-    help="Where the demo's tasks, results and cache go.",
+    default=None,
+    help="Where the demo's tasks, results and cache go. Default: orchard-out/demo; with groups orchard-out/demo-groups-of-K "
+         "(-tensor with --split tensor), so a grouped run computes instead of reading the plain run's cache.",
 )
 @click.option("--group-size", "--group_size", "group_size", default="1", show_default=True, help=GROUP_HELP)
 @click.option("--split", default="auto", show_default=True, help=SPLIT_HELP)
 @click.pass_context
-def demo(ctx: click.Context, workers: int, folder: str, group_size: str, split: str) -> None:
+def demo(ctx: click.Context, workers: int, folder: str | None, group_size: str, split: str) -> None:
     """Offline end-to-end run: the shipped TinyStories-260K model on three story tasks, WORKERS local workers.
 
     Writes the tasks (examples/tinystories: pick the coherent continuation, perplexity of short stories, finish
@@ -37,14 +37,14 @@ def demo(ctx: click.Context, workers: int, folder: str, group_size: str, split: 
     if workers < 1:
         raise BadUsage(f"--workers {workers}: at least 1 worker is needed")
     with usage_errors():  # before the demo writes its tasks
-        settings.group_size(group_size), settings.split(split)
+        size, split = settings.group_size(group_size), settings.split(split)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from testbed.stories import MODEL, TASKS, write_story_tasks
+    from driver.demo import MODEL, TASKS, write_story_tasks
 
     if not (MODEL / "config.json").is_file():
         raise Refused(f"the demo model is not at {MODEL}: run the demo from a clone of the project (pip install -e .)")
-    root = Path(folder)
+    root = Path(folder or default_folder(size, split))
     writable_folder(root, "--dir")
     tasks = write_story_tasks(root / "tasks")
     model = shown(MODEL)  # as a user would type it here: results under the folder `driver run` names the same
@@ -57,6 +57,14 @@ def demo(ctx: click.Context, workers: int, folder: str, group_size: str, split: 
     for sample in done.results["samples"]["tinystories_gen"][:3]:
         click.echo(f"  ...{sample['doc']['prompt'][-48:]} → {sample['resps'][0][0].strip()}")
     click.echo(f"\ntasks: {shown(tasks)} (try: driver run --model {model} --include-path {shown(tasks)} --tasks tinystories_mc)")
+
+
+def default_folder(size: int | str, split: str) -> str:
+    """The demo's folder for a grouping: the result cache does not depend on the grouping (the numbers do not), so
+    a grouped demo in the plain demo's folder would be answered from its cache, on no group."""
+    if size == 1:
+        return "orchard-out/demo"
+    return f"orchard-out/demo-groups-{'auto' if size == 'auto' else f'of-{size}'}{'-tensor' * (split == 'tensor')}"
 
 
 def shown(path: Path) -> str:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from pathlib import Path
 
 import click
 
 from cluster import failures
+from cluster.embedded import session
 from driver.checks import settings
 from driver.checks.errors import BadUsage, one_line
 from driver.lm import quiet
@@ -32,8 +34,17 @@ class OneLineErrors(click.Group):
     `driver.checks.errors.BadUsage`, click's own errors), 1 when it names something that is not usable or
     something failed (a file, folder, model, cache, cluster, worker: `Refused` and every other error)."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+    def main(self, *args, **kwargs):  # type: ignore[override]
         quiet.install()
+        with quiet.interrupts_told():
+            try:
+                return self._main(*args, **kwargs)
+            except SystemExit as e:  # after a Ctrl-C, the cache closed and the line said: Ray ended without waiting
+                if e.code == 130:
+                    session.exit_interrupted()
+                raise
+
+    def _main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -46,7 +57,10 @@ class OneLineErrors(click.Group):
         except click.ClickException as e:
             _error(one_line(e.format_message()))
             sys.exit(e.exit_code)
-        except click.Abort:
+        except click.Abort as e:  # click's word for a Ctrl-C (KeyboardInterrupt) before the command's own handling
+            if isinstance(e.__context__, KeyboardInterrupt):  # as mid-run (`resumable`): exit 130
+                click.echo("interrupted", err=True)
+                sys.exit(130)
             click.echo("Aborted!", err=True)
             sys.exit(1)
         except Exception as e:  # a bug: still one line, unless asked for the traceback
@@ -69,5 +83,10 @@ def resumable(cache: str | os.PathLike):
     try:
         yield
     except KeyboardInterrupt:
-        click.echo(f"interrupted: finished requests are cached in {cache}; rerun the same command to resume", err=True)
+        from driver.lm.cache import FILE
+
+        if (Path(cache) / FILE).is_file():  # name only a cache that exists
+            click.echo(f"interrupted: finished requests are cached in {cache}; rerun the same command to resume", err=True)
+        else:
+            click.echo("interrupted: nothing was computed yet", err=True)
         raise SystemExit(130) from None

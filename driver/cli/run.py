@@ -25,7 +25,7 @@ from driver.checks.datasets import check_datasets
 from driver.checks.tasks import check_tasks, task_manager
 from driver.cli.errors import resumable, usage_errors
 from driver.lm.evaluation import DATASET_HINT, Plan, evaluate, open_model, parse_seeds, save
-from driver.lm.quiet import phase
+from driver.lm.quiet import phase, say
 
 # model_args keys that have a flag of their own (a flag and a model_arg must never silently disagree)
 RUN_FLAGS = {
@@ -137,9 +137,8 @@ def run(
         "group_size": grouping.size,
         "split": grouping.split,
     }
-    for name, value in (("address", address), ("max_length", max_length), ("threads", threads), ("steer", steer)):
-        if value is not None:
-            args[name] = value
+    args |= {name: value for name, value in (("address", address), ("max_length", max_length), ("threads", threads),
+                                             ("steer", steer)) if value is not None}  # fmt: skip
     # The expensive part starts here: lm-eval indexes its task YAMLs (Python, seconds) while Ray starts (mostly
     # waiting on processes) and the workers load the model.
     indexing = in_background(task_manager, plan.names, include_path)
@@ -155,7 +154,16 @@ def run(
         finally:
             lm.executor.close()
     save(done, output_path, time.monotonic() - start)
+    tell_cached(done.info, grouping, args["cache"])
     return done
+
+
+def tell_cached(info: dict, grouping: Grouping, cache: str | os.PathLike) -> None:
+    """Groups asked for, every request answered from the result cache: no group formed, and the user should know
+    (the cache is shared between groupings, as the numbers are)."""
+    if grouping.size > 1 and not info["workers"]:
+        say(f"every request was answered from the result cache {cache}: no group of {grouping.size} formed (the numbers "
+            "do not depend on the grouping); give another --output (or --cache) to compute them on groups")
 
 
 def in_background(fn, *args) -> Future:
@@ -191,7 +199,7 @@ def _preflight(model: str, extra: dict[str, Any], *, output_path: str, cache: st
     check_tokenizer(folder, apply_chat_template)
     names = check_tasks(tasks, include_path)
     check_datasets(names, include_path)  # on disk, or the Hub reachable: else one line now, not retries after Ray
-    check_generation_room(model_config(folder), generation[0], extra, generation[1])  # max_length, gen_kwargs
+    check_generation_room(model_config(folder), generation[0], extra, generation[1], (names, include_path))  # max_length, gen_kwargs
     with phase(f"checking {steer} against {model}'s layers", after=1.0, transient=True) if steer else nullcontext():
         steering = check_steering(steer, model_config(folder), extra.get("dtype")) if steer else None  # mlx-lm: seconds
     check_address(address)

@@ -16,7 +16,7 @@ from driver.checks.errors import BadUsage, Refused
 from driver.checks.groups import chosen_lines, for_command
 from driver.checks.model import check_heads_split
 from driver.cli.errors import resumable, usage_errors
-from driver.cli.run import GROUP_HELP, SPLIT_HELP, WORKERS_HELP
+from driver.cli.run import GROUP_HELP, SPLIT_HELP, WORKERS_HELP, tell_cached
 from driver.lm.evaluation import on_workers
 from driver.lm.quiet import phase, say
 
@@ -84,6 +84,7 @@ def sweep_command(
         f"{len(plan.grid)} configuration{'s' * (len(plan.grid) != 1)} + baseline, {len(outcome.rows)} result rows {on_workers(facts)} in "
         f"{facts['wall_s']:.1f} s ({facts['requests_computed']} requests computed, {facts['requests_cached']} from cache)"
     )
+    tell_cached(outcome.info, grouping, cache or folder / "cache")
     for line in report.problems(outcome.rows, written):
         click.echo(line, err=True)
     click.echo(f"results: {folder} (summary.md, results.csv, {2 * len(written['plots'])} plots)")

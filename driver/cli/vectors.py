@@ -16,7 +16,7 @@ from driver.checks.model import check_model, check_site, check_tokenizer, model_
 from driver.cli.errors import one_line, usage_errors
 from driver.cli.run import GROUP_HELP, SPLIT_HELP, WORKERS_HELP
 from driver.lm.evaluation import lost_workers_line, on_workers, open_model
-from driver.lm.quiet import phase, say
+from driver.lm.quiet import doing_meanwhile, phase, say
 from worker.spec import HEAD_SITES, SITES, head_shape, missing_sites
 
 VECTORS_FLAGS = {"pretrained": "--model", "workers": "--workers", "address": "--address", "threads": "--threads",
@@ -74,9 +74,7 @@ def vectors(
     writable_file(out, "--out")
     folder = check_model(model, args.get("revision"), args.get("adapter_path"))
     check_tokenizer(folder)
-    flag = "--cache" if cache or not args.get("cache") else "--model-args cache"
-    args["cache"] = cache or args.get("cache") or str(Path(out).expanduser().absolute().parent / "cache")
-    check_cache(args["cache"], flag)
+    args["cache"] = _cache(cache, args, out)
     try:
         read = vec.read_pairs(pairs)
     except ValueError as e:
@@ -100,7 +98,8 @@ def vectors(
         raise BadUsage("--site attn_head: a tensor-split group holds each head on one node only: use --split pipeline")
     args |= {"group_size": grouping.size, "split": grouping.split}
     args |= {name: value for name, value in (("address", address), ("threads", threads)) if value is not None}
-    lm = open_model(args)
+    with doing_meanwhile(None):  # no lm-eval requests to build
+        lm = open_model(args)
     tell_chosen(size, split, grouping)
     try:
         capture = lambda requests, points: lm.executor.run(lm.job("capture", points=tuple(points)), requests)  # noqa: E731
@@ -121,6 +120,14 @@ def vectors(
     seconds = time.monotonic() - start
     cached = f"{info['requests_cached']} of {2 * len(read)} texts from the cache, "
     click.echo(f"{len(found)} vectors from {len(read)} pairs ({cached}{args['cache']}) {on_workers(info)} in {seconds:.1f} s: {out}")
+
+
+def _cache(cache: str | None, args: dict, out: str) -> str:
+    """The result cache folder (--cache, else model_args' cache, else cache/ beside OUT), checked."""
+    flag = "--cache" if cache or not args.get("cache") else "--model-args cache"
+    folder = cache or args.get("cache") or str(Path(out).expanduser().absolute().parent / "cache")
+    check_cache(folder, flag)
+    return folder
 
 
 def _heads(heads: str | None, site: str, config: dict) -> tuple[list[int], int | None]:

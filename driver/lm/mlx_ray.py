@@ -24,7 +24,7 @@ from driver.lm.cache import Cache
 from driver.lm.mlx import OrchardLM
 from driver.lm.model_setup import model_config, tokenizer_folder
 from driver.lm.progress import Progress
-from driver.lm.quiet import phase, say
+from driver.lm.quiet import meanwhile, phase, say
 from driver.steering.spec import warn_once
 
 
@@ -48,7 +48,7 @@ class ToldWorkers(Workers):
         with phase(f"{describe(self.options['address'])}: {asked}{staging}"):
             super().start()
         formed = workers_text(len(self.pool.workers), self.grouping.size)
-        say(f"loading {self.spec.model} on {formed} (lm-eval builds its requests meanwhile)")
+        say(f"loading {self.spec.model} on {formed}{meanwhile()}")
 
     def ready(self) -> list[dict]:
         if self.held.connection is None:

@@ -12,6 +12,8 @@ from collections import Counter
 
 from tqdm import tqdm
 
+from driver.lm.quiet import end_when_finished
+
 
 class Progress:
     def __init__(self, names: list[str] | None = None, unit: str = "worker") -> None:
@@ -24,6 +26,12 @@ class Progress:
         self.started = 0.0
         self.note = ""
         self.what = ""
+        end_when_finished(self.close_if_finished)
+
+    def close_if_finished(self) -> None:
+        """A phase line follows: a bar whose work is done ends above it (the next `expect` starts a new one)."""
+        if self.bar is not None and sum(self.done.values()) >= self.total:
+            self.close()
 
     def expect(self, n: int, cached: int, what: str) -> None:
         """`n` more requests are on their way, `cached` of them already answered from the cache. A grid (a sweep's

@@ -16,6 +16,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from cluster.embedded import session  # imports no Ray
+
 # logger name -> message fragments to drop, and why the user cannot act on them
 _DROPPED = {
     # Orchard never runs PyTorch models: transformers serves only the tokenizer.
@@ -35,8 +37,22 @@ class _Drop(logging.Filter):
         return not any(fragment in message for fragment in self.fragments)
 
 
+_INTERRUPTED = threading.Event()  # a Ctrl-C came during this command (interrupts_told)
+
+
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # the command's Ctrl-C path: finished work kept, Ray shut down, one line
+    """Ctrl-C (and SIGTERM): said at once, then the command's Ctrl-C path: finished work kept, one line, and an
+    embedded Ray's processes killed as the process exits (cluster.embedded.session.exit_interrupted; a graceful
+    shutdown took 9-13 s). A second one stops at once: this process's Ray processes killed, exit 130.
+    os.write: a print here could land inside another write to stderr."""
+    if _INTERRUPTED.is_set() and signum == signal.SIGINT:
+        os.write(2, b"\ninterrupted again: stopped at once, Ray's processes killed\n")
+        session.end_now()
+    _INTERRUPTED.set()
+    session.interrupted()  # Ray ended at the exit, not shut down gracefully (seconds)
+    if not quiet():
+        os.write(2, b"\ndriver: interrupted: stopping (Ctrl-C again stops at once)\n")
+    raise KeyboardInterrupt
 
 
 def install() -> None:
@@ -51,8 +67,24 @@ def install() -> None:
         if not any(isinstance(f, _Drop) for f in logger.filters):  # once per process
             logger.addFilter(_Drop(fragments))
     _bars_in_place()
+    _cleared_when_done()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+
+
+@contextmanager
+def interrupts_told():
+    """Ctrl-C said at once while a command runs (`_interrupt`); the handler before it back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, _interrupt)
+    _INTERRUPTED.clear()
+    session.interrupted(False)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def git_commit_hash() -> str | None:
@@ -100,6 +132,22 @@ def _label_context_bars() -> None:
     task.Task.build_all_requests, task.tqdm, task._orchard_labelled = build_all_requests, labelled, True
 
 
+def _cleared_when_done() -> None:
+    """On a terminal, the bars of each lm-eval pass (a task's contexts, Tokenizing) are cleared when done: a sweep
+    runs one pass per configuration, and their finished bars filled the screen (off one, a log keeps them)."""
+    import tqdm.std
+
+    if not sys.stderr.isatty() or "_orchard_cleared" in tqdm.std.tqdm.__dict__:
+        return
+    init = tqdm.std.tqdm.__init__
+
+    def cleared(self, *args, **kwargs):
+        desc = str(kwargs.get("desc") or "")
+        init(self, *args, **({"leave": False} if desc == "Tokenizing" or desc.endswith("contexts") else {}) | kwargs)
+
+    tqdm.std.tqdm.__init__, tqdm.std.tqdm._orchard_cleared = cleared, True
+
+
 def _bars_in_place() -> None:
     """Off a terminal, every bar on line 0: tqdm gives a second bar open at once (the tokenizer's beside the
     workers') line 1, and writes cursor moves for it (a stray `ESC[A` in a log); on a terminal they are its layout."""
@@ -118,6 +166,24 @@ def _bars_in_place() -> None:
 
 
 # --- phases ----------------------------------------------------------------------------------------------------------
+
+_MEANWHILE: list[str | None] = ["lm-eval builds its requests"]  # what the head does while the workers load
+
+
+def meanwhile() -> str:
+    """' (lm-eval builds its requests meanwhile)' for the phase line of the workers loading; '' when nothing is."""
+    return f" ({_MEANWHILE[-1]} meanwhile)" if _MEANWHILE[-1] else ""
+
+
+@contextmanager
+def doing_meanwhile(what: str | None):
+    """What `meanwhile` says inside the block (None: nothing; `driver vectors` builds no lm-eval requests)."""
+    _MEANWHILE.append(what)
+    try:
+        yield
+    finally:
+        _MEANWHILE.pop()
+
 
 PREFIX = "driver: "  # every phase line starts so: what the tool is doing, told apart from results and errors
 SPIN = "|/-\\"
@@ -223,9 +289,23 @@ def _fits(text: str) -> bool:
     return len(PREFIX + text) + len(" | 999 s") < columns
 
 
+_FINISHED: list = []  # weak references to what ends a finished progress bar (driver.lm.progress)
+
+
+def end_when_finished(method) -> None:
+    """`method()` ends its progress bar if it is finished: called before each phase line, so that a finished bar
+    stays above the line after it instead of being drawn again below it."""
+    import weakref
+
+    _FINISHED[:] = [ref for ref in _FINISHED if ref() is not None] + [weakref.WeakMethod(method)]
+
+
 def _write(line: str) -> None:
     """A line of its own on stderr: a progress bar showing is cleared and drawn again below it on a terminal; off
     one, the bar's last state keeps its line (tqdm leaves the cursor after it)."""
+    for ref in list(_FINISHED):
+        if (end := ref()) is not None:
+            end()
     if _open_bars() and _terminal() is not None:
         from tqdm import tqdm
 
@@ -246,10 +326,14 @@ def phase(text: str, after: float = 0.0, transient: bool = False):
     """`text` on stderr while the block runs: at once (or only once it has lasted `after` s); on a terminal a
     spinner with the seconds so far turns at the end of the line after 2 s, and the line ends with the time taken
     when the block ends, or as soon as the next phase line or anything else is written to stderr. `transient`: a
-    check before Ray, shown on a terminal only and erased when it ends, so that a refusal stays the whole of stderr."""
+    check before Ray: on a terminal erased when it ends, off one said when it passed (with its time), so that a
+    refusal stays the whole of stderr."""
     tty = None if quiet() or _open_bars() or not _fits(text) else _terminal()  # a spinner beside a bar would write into it
     if quiet() or (transient and tty is None):
-        yield
+        start = time.monotonic()
+        yield  # off a terminal a check is told once it passed, with its time: a refusal stays the whole of stderr
+        if transient and not quiet() and time.monotonic() - start >= after:
+            _write(f"{PREFIX}{text} ({time.monotonic() - start:.1f} s)")
         return
     _end_open_line()
     done, shown, start, lock = threading.Event(), threading.Event(), time.monotonic(), threading.Lock()

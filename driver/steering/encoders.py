@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from driver.steering.saes import Sae, SaeError, hookpoint_name, read_cfg, read_sae, site_problem
+from driver.steering.saes import Sae, SaeError, hookpoint_name, read_cfg, read_part, read_sae, site_problem
 
 __all__ = ["Encoder", "read_encoder", "ranking_encoder", "capture_requests", "prompt_weights", "per_prompt", "ranked"]
 
@@ -44,12 +44,8 @@ class Encoder:
     decoder: str | None = None  # topk rescaled by the decoder rows' norms: the decoder's tensor
 
     def _read(self, key: str, lo: int, hi: int, columns: bool = False) -> np.ndarray:
-        from safetensors import safe_open
-
         try:
-            with safe_open(str(self.file), framework="np") as f:
-                part = f.get_slice(key)
-                block = part[:, lo:hi] if columns else part[lo:hi]
+            block = read_part(self.file, key, slice(lo, hi), columns)
         except Exception as e:  # safetensors' own errors (bfloat16 for numpy, a truncated file, ...)
             raise SaeError(f"{self.file}: cannot read {key} ({type(e).__name__}: {e}); save the SAE in float32") from None
         block = np.asarray(block, dtype=np.float32)
@@ -127,9 +123,10 @@ def _tensors(file: Path) -> dict[str, list[int]]:
         return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
-def _sae_lens(sae: Sae, cfg: dict) -> dict:
-    """The encoder of a sae-lens folder, as its SAE classes' `encode` computes it."""
-    arch = cfg.get("architecture") or "standard"
+def _sae_lens(sae: Sae, cfg: dict, shapes: dict) -> dict:
+    """The encoder of a sae-lens folder, as its SAE classes' `encode` computes it (a cfg.json naming no architecture:
+    jumprelu where the file holds a threshold tensor, which only JumpReLU SAEs save, else standard)."""
+    arch = cfg.get("architecture") or ("jumprelu" if "threshold" in shapes else "standard")
     kwargs = cfg.get("activation_fn_kwargs") if isinstance(cfg.get("activation_fn_kwargs"), dict) else {}
     if arch == "standard" and cfg.get("activation_fn_str", cfg.get("activation_fn")) == "topk":  # sae-lens 5
         arch, cfg = "topk", {**cfg, "k": kwargs.get("k")}
@@ -150,7 +147,7 @@ def _sae_lens(sae: Sae, cfg: dict) -> dict:
     return found
 
 
-def _sparsify(sae: Sae, cfg: dict) -> dict:
+def _sparsify(sae: Sae, cfg: dict, shapes: dict) -> dict:
     """The encoder of a sparsify folder, as SparseCoder.encode computes it (relu, then top-k or group max)."""
     if cfg.get("transcode"):
         raise SaeError(f"{sae.path}: a transcoder (cfg transcode: true) reads another site than it writes: list the features "
@@ -164,12 +161,11 @@ def _sparsify(sae: Sae, cfg: dict) -> dict:
 
 def read_encoder(sae: Sae) -> Encoder:
     """The encoder of `sae`'s folder, its tensors' shapes checked; a one-line SaeError when it has none Orchard reads."""
-    cfg = _cfg(sae)
+    cfg, shapes = _cfg(sae), _tensors(sae.file)
     if sae.layout == "goodfire":
         found = {"weight": "encoder_linear.weight", "in_first": False, "bias": "encoder_linear.bias", "shift": None, "activation": "relu"}
     else:
-        found = (_sae_lens if sae.layout == "sae_lens" else _sparsify)(sae, cfg)
-    shapes = _tensors(sae.file)
+        found = (_sae_lens if sae.layout == "sae_lens" else _sparsify)(sae, cfg, shapes)
     d_sae, d_in = sae.shape
     if found["weight"] not in shapes:
         raise SaeError(f"{sae.file}: no encoder ({found['weight']}): this SAE was saved with its decoder only, so its features "
@@ -185,7 +181,10 @@ def read_encoder(sae: Sae) -> Encoder:
     k = found.get("k")
     if found["activation"] in ("topk", "groupmax") and not (isinstance(k, int) and 0 < k <= d_sae and (found["activation"] == "topk" or d_sae % k == 0)):
         raise SaeError(f"{sae.path}: cfg.json's k ({k!r}) is not a number of features this {d_sae}-feature {found['activation']} SAE keeps")
-    return Encoder(sae.path, sae.file, d_sae=d_sae, **found)
+    encoder = Encoder(sae.path, sae.file, d_sae=d_sae, **found)
+    if encoder.threshold:  # [d_sae] floats: checked now, before any prompt is captured
+        encoder._read(encoder.threshold, 0, d_sae)
+    return encoder
 
 
 def ranking_encoder(path: Path, site: str, layer: int, hidden: int | None) -> Encoder:
@@ -224,7 +223,13 @@ def per_prompt(values: np.ndarray, owners: np.ndarray) -> np.ndarray:
     return np.bincount(owners, weights=values)[counts > 0] / counts[counts > 0]
 
 
-def ranked(means: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """The k features of highest mean activation, (feature, mean), highest first (ties: the lower index first)."""
+def ranked(means: np.ndarray, k: int, where: str = "the SAE") -> list[tuple[int, float]]:
+    """The k features of highest mean activation, (feature, mean), highest first (ties: the lower index first);
+    SaeError when fewer than k fire at all on the prompts (the rest would be picked by index, not activation)."""
+    active = int(np.count_nonzero(means > 0))
+    if active < k:
+        said = "no feature of " + where + " is active" if not active else f"only {active} feature(s) of {where} are active"
+        raise SaeError(f"{said} on the prompts (mean activation > 0), fewer than top: {k}: lower top, or use prompts "
+                       "where the SAE's features fire (or another SAE)")  # fmt: skip
     order = np.lexsort((np.arange(len(means)), -means))[:k]
     return [(int(f), float(means[f])) for f in order]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from worker.spec import SteeringError
 
+from driver.checks.settings import as_written
 from driver.steering.saes import HOOKPOINTS, site_of
 
 COLUMNS = ("loader", "action", "sparse_model", "hookpoint", "feature_index", "steering_coefficient", "head_index", "sae_id",
@@ -62,10 +63,8 @@ def _header(path: Path, names: list[str]) -> list[str]:
 def _number(path: Path, line: int, column: str, text: str, whole: bool) -> float | int | None:
     if text == "":
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    written = as_written(text)  # ASCII digits, as the flags read numbers (float() takes "1_0", "٧", "nan")
+    value = float(written) if written is not None else math.nan
     if not math.isfinite(value) or (whole and (value != int(value) or value < 0)):
         kind = "a whole number of 0 or more" if whole else "a finite number"
         raise _fail(path, line, column, f"{text!r} is not {kind}")
@@ -150,6 +149,8 @@ def read_csv(path: str | Path) -> tuple[dict, list[int], list[str]]:
         interventions.append(iv)
         lines.append(line)
         notes.append(row.get("description", ""))
+    if not interventions:  # lm-eval would run it unsteered
+        raise _fail(path, None, "", "has a header but no rows: add one row per feature to steer")
     return {"interventions": interventions}, lines, notes
 
 
@@ -166,3 +167,8 @@ def in_rows(message: str, lines: list[int]) -> str:
         message = re.sub(rf"(interventions\[\d+\])\.{re.escape(field)}:", rf"\1.{column}:", message)
     return re.sub(r"interventions\[(\d+)\]\.?", lambda m: f"line {lines[int(m.group(1))]}: " if int(m.group(1)) < len(lines)
                   else m.group(0), message)  # fmt: skip
+
+
+def said_at_rows(where: str, message: str) -> str:
+    """A model-shape refusal of a CSV's row (`where` is a CSV file) said at its line and column (`in_rows`)."""
+    return in_rows(message, read_csv(where)[1]) if where.lower().endswith(".csv") else message

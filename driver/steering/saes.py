@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Sae", "SaeError", "read_sae", "site_of", "hookpoint_name", "same_site", "site_problem"]
+__all__ = ["Sae", "SaeError", "read_sae", "read_part", "site_of", "hookpoint_name", "same_site", "site_problem"]
 
 _HF = re.compile(r"^(?:model\.)?(?:layers|h)\.(\d+)(?:\.(self_attn|attn|mlp|self_attn\.o_proj))?$")
 _HF_SITES = {None: "resid_post", "self_attn": "attn_out", "attn": "attn_out", "self_attn.o_proj": "attn_out", "mlp": "mlp_out"}
@@ -84,11 +84,7 @@ class Sae:
         return site_of(self.hook_name) if self.hook_name else None
 
     def _read(self, index):
-        from safetensors import safe_open
-
-        with safe_open(str(self.file), framework="np") as f:
-            part = f.get_slice(self.key)
-            return part[:, index] if self.layout == "goodfire" else part[index]  # Goodfire's is an nn.Linear: [d_in, d_sae]
+        return read_part(self.file, self.key, index, columns=self.layout == "goodfire")  # Goodfire's is an nn.Linear: [d_in, d_sae]
 
     def feature(self, index: int) -> np.ndarray:
         """Feature `index`'s decoder direction, float32 [d_in], checked finite."""
@@ -110,6 +106,29 @@ class Sae:
         return np.ascontiguousarray(whole.T if self.layout == "goodfire" else whole, dtype=np.float32)
 
 
+def read_part(file: Path, key: str, index, columns: bool = False) -> np.ndarray:
+    """`file[key][index]` (`[:, index]` with `columns`) as numpy reads it; bfloat16 (sae-lens saves SAEs so, numpy
+    has no such type) widened to float32 exactly, from the file's bytes."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="np") as f:
+        part = f.get_slice(key)
+        if part.get_dtype() != "BF16":
+            return part[:, index] if columns else part[index]
+        shape = tuple(part.get_shape())
+    raw = _bf16(file, key, shape)
+    return (np.asarray(raw[:, index] if columns else raw[index], dtype=np.uint32) << 16).view(np.float32)
+
+
+def _bf16(file: Path, key: str, shape: tuple) -> np.ndarray:
+    """The bfloat16 tensor `key` as uint16 bits, mapped from the file (safetensors: an 8-byte little-endian header
+    length, the JSON header with each tensor's data_offsets, then the data)."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        start, _ = json.loads(f.read(n))[key]["data_offsets"]
+    return np.memmap(file, dtype="<u2", mode="r", offset=8 + n + start, shape=shape)
+
+
 def _header(file: Path, key: str, bias: str) -> tuple[tuple, np.ndarray | None]:
     """((the decoder's shape, its dtype), b_dec) without reading the decoder."""
     from safetensors import safe_open
@@ -118,8 +137,8 @@ def _header(file: Path, key: str, bias: str) -> tuple[tuple, np.ndarray | None]:
         with safe_open(str(file), framework="np") as f:
             names = set(f.keys())
             part = f.get_slice(key) if key in names else None
-            b = f.get_tensor(bias) if bias in names else None
-            return ((tuple(part.get_shape()), str(part.get_dtype())) if part is not None else (None, None)), b
+            found = (tuple(part.get_shape()), str(part.get_dtype())) if part is not None else (None, None)
+        return found, (read_part(file, bias, slice(None)) if bias in names else None)
     except Exception as e:  # safetensors' own errors (bad header, bfloat16 for numpy, ...)
         raise SaeError(f"{file}: not a readable .safetensors file of float tensors ({type(e).__name__}: {e})") from None
 
@@ -175,7 +194,10 @@ def read_sae(path: str | Path, hookpoint: str | None = None) -> Sae:
     if not path.is_dir():
         raise SaeError(f"{path}: no such SAE folder (Orchard reads SAEs from local folders: download it first)")
     if (path / "sae_weights.safetensors").is_file():
-        cfg = read_cfg(path / "cfg.json") if (path / "cfg.json").is_file() else {}
+        if not (path / "cfg.json").is_file():  # it names the site the SAE reads and how it encodes: nothing to guess
+            raise SaeError(f"{path}: no cfg.json beside sae_weights.safetensors (sae-lens saves one: the SAE's hook_name and "
+                           "architecture); copy it from where the SAE came from")  # fmt: skip
+        cfg = read_cfg(path / "cfg.json")
         return _checked(path, "sae_lens", path / "sae_weights.safetensors", _hook_name(cfg), _head_index(cfg))
     if (path / "sae.safetensors").is_file():
         return _checked(path, "sparsify", path / "sae.safetensors", path.name if site_of(path.name) else None)

@@ -301,7 +301,7 @@ def load_steering(
     interventions, vectors = [], []
     for i, iv in enumerate(spec.interventions):
         _in_range(iv, n_layers, lambda problem: spec_error(where, f"interventions[{i}].layer", problem))
-        gap = site_missing(missing or {}, iv.site, iv.layer, n_layers)  # per layer: hybrids hold attention on some
+        gap = site_missing(missing if missing is not None else {}, iv.site, iv.layer, n_layers)  # per layer: hybrids hold attention on some
         if gap:
             raise spec_error(where, f"interventions[{i}].site", gap)
         if head_problem(iv.site, iv.head):
@@ -351,14 +351,29 @@ def compute_dtype(config: dict, dtype: str | None = None) -> str:
     return named if named in FLOAT_MAX else "float32"
 
 
+class _SitesLater(dict):
+    """{site: why} of the sites this config's blocks lack, built on the first look-up: building the blocks imports
+    mlx-lm, so transformers, so PyTorch where installed (seconds), which a file refused for its own text never needs."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.config = config
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        if self.config is not None:
+            from worker.hooks.skeleton import missing_sites  # the worker's hooks' own answer, from the blocks built without weights
+
+            self.update(missing_sites(self.config))
+            self.config = None
+        return super().get(key, default)
+
+
 def for_model(source: str | os.PathLike | Mapping | SpecFile | Steering, config: dict, dtype: str | None = None,
               base_dir: str | os.PathLike | None = None) -> SteeringRun:  # fmt: skip
     """`load_steering` and `check` for the model of this config.json: negative layers resolved (their default
     safetensors keys too), shapes checked, values finite in the dtype the model computes in."""
     n_layers, hidden = model_shape(config)
-    from worker.hooks.skeleton import missing_sites  # the worker's hooks' own answer, from the blocks built without weights
-
-    loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype), missing=missing_sites(config),
+    loaded = load_steering(source, base_dir, n_layers=n_layers, dtype=compute_dtype(config, dtype), missing=_SitesLater(config),
                            hidden=hidden)
     try:
         return SteeringRun(check(loaded.steering, n_layers, hidden, head_shape(config)), loaded.record)
@@ -366,7 +381,9 @@ def for_model(source: str | os.PathLike | Mapping | SpecFile | Steering, config:
         if isinstance(source, Steering):
             raise
         where = str(Path(source).expanduser()) if isinstance(source, (str, os.PathLike)) else "steering spec (dict)"
-        raise spec_error(where, "", str(e)) from None
+        from driver.steering.lmeval_csv import said_at_rows
+
+        raise spec_error(where, "", said_at_rows(where, str(e))) from None
 
 
 _WARNED: set[str] = set()

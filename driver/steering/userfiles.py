@@ -64,18 +64,25 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
+            seen: dict[Any, tuple[int, Any, str]] = {}  # key -> its line, the key as read and as written
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue  # `<<: *base` merges a mapping (its keys may be overridden here): the loader flattens it
                 key = self.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
                 if isinstance(key, (str, int, float, bool)) and key in seen:
-                    where = f"line {line}" if seen[key] == line else f"lines {seen[key]} and {line}"
-                    problem = f"key {key!r} is given twice ({where}): keep one"
-                    raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
-                seen.setdefault(key, line)
+                    raise yaml.constructor.ConstructorError(None, None, _twice(seen[key], (line, key, key_node.value)), key_node.start_mark)
+                seen.setdefault(key, (line, key, key_node.value))
         return super().construct_mapping(node, deep)
+
+
+def _twice(first: tuple[int, Any, str], again: tuple[int, Any, str]) -> str:
+    """Why two keys of one mapping clash: the same key twice, or two that Python reads as one (`1:` and `true:`)."""
+    (a, key_a, text_a), (b, key_b, text_b) = first, again
+    if type(key_a) is not type(key_b) and bool in (type(key_a), type(key_b)):
+        return f"keys {text_a} (line {a}) and {text_b} (line {b}) are one key once read (true is 1, false is 0): keep one"
+    where = f"line {b}" if a == b else f"lines {a} and {b}"
+    return f"key {key_b!r} is given twice ({where}): keep one"
 
 
 def load_yaml(text: str) -> Any:
@@ -88,7 +95,7 @@ def yaml_problem(e: yaml.YAMLError) -> str:
     """A YAML error as one phrase: 'key 'alpha' is given twice (lines 3 and 4): keep one' or
     'malformed YAML at line L, column C: what the parser saw'."""
     problem = getattr(e, "problem", None) or str(e)
-    if "is given twice" in problem:
+    if "is given twice" in problem or "are one key once read" in problem:
         return problem
     mark = getattr(e, "problem_mark", None)
     at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

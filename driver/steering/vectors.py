@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 
 from worker.spec import HEAD_SITES, NEGATIVE_HEAD, SITES
 
+from driver.checks.files import write_atomic
 from driver.checks.settings import integer
 from driver.steering.userfiles import jsonl_lines
 
@@ -368,8 +368,8 @@ def metadata(model: str, method: str, site: str, position: int, pairs: Sequence[
 
 
 def write_vectors(path: str | os.PathLike, vectors: dict[str, np.ndarray], metadata: dict[str, str]) -> Path:
-    """Write one .safetensors file atomically (a temp file in the same folder, then os.replace); parents are created."""
-    from safetensors.numpy import save_file
+    """Write one .safetensors file atomically, readable as the umask says (checks.files.write_atomic)."""
+    from safetensors.numpy import save  # bytes: save_file makes its own file, 0600
 
     path = Path(path)
     if path.is_dir():
@@ -381,13 +381,4 @@ def write_vectors(path: str | os.PathLike, vectors: dict[str, np.ndarray], metad
         raise ValueError(f"metadata {bad[0]!r} must map a string to a string")
     tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in vectors.items()}
     meta = {"orchard_version": orchard_version(), **metadata}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)  # a failure leaves neither a half-written file nor the temp file
-        raise
-    return path
+    return write_atomic(path, save(tensors, metadata=meta))

@@ -1,4 +1,4 @@
-"""Fit a small SAE on TinyStories-260K and write the files the rest of this example reads (offline, ~30 s).
+"""Fit a small SAE on TinyStories-260K and write the files the rest of this example reads (offline; 110 s on a loaded 2-core box).
 
 1. Capture the residual stream at the input of layer 3 (`resid_pre.3`, TransformerLens' blocks.3.hook_resid_pre)
    at every token of the example stories, prompts and task contexts (examples/tinystories, examples/happy).
@@ -78,7 +78,7 @@ def fit(x: np.ndarray) -> dict[str, np.ndarray]:
             p[k] -= (3e-3 * (m[k] / (1 - 0.9**step)) / (np.sqrt(v[k] / (1 - 0.999**step)) + 1e-8)).astype(np.float32)
         if step % 100 == 0:
             mse = float((err**2).sum(1).mean()) / scale**2
-            print(f"  step {step}: relative MSE {mse:.3f}, active features per token {float((f > 0).sum(1).mean()):.1f}")
+            print(f"  step {step}: relative MSE {mse:.3f}, active features per token {float((f > 0).sum(1).mean()):.1f}", flush=True)
     return {k: val.astype(np.float32) for k, val in p.items()}
 
 
@@ -95,7 +95,7 @@ def main() -> int:
     lm = load(ModelSpec(model=str(ROOT / "examples" / "stories260K")))
     fit_on, prompts = texts()
     x = np.concatenate([capture(lm, t) for t in fit_on])
-    print(f"captured {len(x)} tokens at resid_pre.{LAYER} from {len(fit_on)} texts; fitting a {D_SAE}-feature ReLU SAE")
+    print(f"captured {len(x)} tokens at resid_pre.{LAYER} from {len(fit_on)} texts; fitting a {D_SAE}-feature ReLU SAE", flush=True)
     sae = fit(x)
     save_file(sae, str(out / "sae" / "sae_weights.safetensors"))
     cfg = {"architecture": "standard", "d_in": int(x.shape[1]), "d_sae": D_SAE, "hook_name": f"blocks.{LAYER}.hook_resid_pre",
