@@ -9,13 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from worker.patch.spec import PATCH_METHODS, PATCH_SITES
 
 from driver.checks.errors import one_line
-from driver.steering.userfiles import explain, load_yaml, short, yaml_problem
+from driver.steering.userfiles import explain, read_yaml_file, short
 from driver.sweep.schema import ModelSettings
 
 __all__ = ["PatchError", "PatchFile", "read_patch_file"]
@@ -99,16 +98,4 @@ def _validate(data: Any, where: str) -> PatchFile:
 
 def read_patch_file(path: Path) -> PatchFile:
     """The patch file at `path`, read and checked against the schema (not yet against its model or pairs)."""
-    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
-        raise PatchError(f"{path}: not a patch file: use a .yaml, .yml or .json file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PatchError(f"{path}: no such file (check the path)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PatchError(one_line(f"{path}: cannot read the file ({type(e).__name__}: {e})")) from None
-    try:
-        data = load_yaml(text)  # a key given twice is refused, naming its lines
-    except yaml.YAMLError as e:
-        raise PatchError(one_line(f"{path}: {yaml_problem(e)}")) from None
-    return _validate(data, str(path))
+    return _validate(read_yaml_file(path, "patch", PatchError), str(path))

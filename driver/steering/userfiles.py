@@ -102,6 +102,24 @@ def yaml_problem(e: yaml.YAMLError) -> str:
     return " ".join(f"malformed YAML{at}: {problem}".split())
 
 
+def read_yaml_file(path: Path, kind: str, fail: Callable[[str], Exception]) -> Any:
+    """A user's YAML (or JSON) file of `kind` ("sweep", "patch") read whole; every problem as `fail(one line)`."""
+    from driver.checks.errors import one_line
+
+    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise fail(f"{path}: not a {kind} file: use a .yaml, .yml or .json file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise fail(f"{path}: no such file (check the path)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise fail(one_line(f"{path}: cannot read the file ({type(e).__name__}: {e})")) from None
+    try:
+        return load_yaml(text)  # JSON is YAML; a key given twice is refused, naming its lines
+    except yaml.YAMLError as e:
+        raise fail(one_line(f"{path}: {yaml_problem(e)}")) from None
+
+
 def jsonl_lines(path: Path, fail: Callable[[str], Exception], missing: str, folder: str) -> list[tuple[int, Any]]:
     """(line number, parsed JSON) of each non-blank line; `fail(message)` is the caller's one-line error,
     `missing` / `folder` its message for a path that does not exist / is a folder."""

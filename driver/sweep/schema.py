@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from worker.spec import HEAD_SITES, SITES
@@ -19,7 +18,7 @@ from driver.checks.errors import one_line
 from driver.evidence.selection import Select
 from driver.judge.schema import Judge, check_prompting, check_seeds
 from driver.steering.schema import ConditionFields
-from driver.steering.userfiles import explain, load_yaml, short, yaml_problem
+from driver.steering.userfiles import explain, read_yaml_file, short
 
 __all__ = ["SweepError", "SweepFile", "ModelSettings", "VectorSource", "Grid", "Tasks", "PromptSet", "Condition", "read_sweep_file",
            "one_line", "NAME"]  # fmt: skip
@@ -375,15 +374,4 @@ def read_sweep_file(path: Path) -> SweepFile:
 
 
 def _read_yaml(path: Path) -> Any:
-    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
-        raise SweepError(f"{path}: not a sweep file: use a .yaml, .yml or .json file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SweepError(f"{path}: no such file (check the path)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SweepError(one_line(f"{path}: cannot read the file ({type(e).__name__}: {e})")) from None
-    try:
-        return load_yaml(text)  # JSON is YAML; a key given twice is refused, naming its lines
-    except yaml.YAMLError as e:
-        raise SweepError(one_line(f"{path}: {yaml_problem(e)}")) from None
+    return read_yaml_file(path, "sweep", SweepError)
