@@ -109,8 +109,9 @@ def table(title: str, unit: str, rows: list[dict], speedup: bool = False) -> Non
     anchor = min(rows[0]["times"])
     runs = [" ".join(f"{t:.3f}" for t in row["times"]) for row in rows]
     width = max(len("runs (s)"), *map(len, runs)) + 3
+    named, rate = max(34, 2 + max(len(row["name"]) for row in rows)), max(10, len(unit) + 4)  # columns fit their heads
     print(f"\n{title}")
-    print(f"  {'variant':<34}{'best s':>8}{unit + '/s':>10}{'speed-up' if speedup else 'time/anchor':>12}{'target':>9}"
+    print(f"  {'variant':<{named}}{'best s':>8}{unit + '/s':>{rate}}{'speed-up' if speedup else 'time/anchor':>12}{'target':>9}"
           f"{'met':>5}   {'runs (s)':<{width}}{rows[0].get('extra_head', '')}")
     for row, run in zip(rows, runs):
         best = min(row["times"])
@@ -121,7 +122,7 @@ def table(title: str, unit: str, rows: list[dict], speedup: bool = False) -> Non
         else:
             tgt = f"{'>=' if speedup else '<='}{target:.2f}"
             met = "yes" if (ratio >= target if speedup else ratio <= target) else "no"
-        print(f"  {row['name']:<34}{best:>8.3f}{row['n'] / best:>10.1f}{ratio:>12.3f}{tgt:>9}{met:>5}   "
+        print(f"  {row['name']:<{named}}{best:>8.3f}{row['n'] / best:>{rate}.1f}{ratio:>12.3f}{tgt:>9}{met:>5}   "
               f"{run:<{width}}{row.get('extra', '')}")
 
 

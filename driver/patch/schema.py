@@ -3,7 +3,6 @@ one line naming the file, the field and the fix. Paths in it are relative to the
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 from worker.patch.spec import PATCH_METHODS, PATCH_SITES
 
 from driver.checks.errors import one_line
-from driver.steering.userfiles import explain, read_yaml_file, short
+from driver.steering.userfiles import explain_field, read_yaml_file
 from driver.sweep.schema import ModelSettings
 
 __all__ = ["PatchError", "PatchFile", "read_patch_file"]
@@ -69,17 +68,8 @@ def _loc(loc: Sequence) -> str:
 
 
 def _explain(err: dict) -> str:
-    kind, loc = err["type"], err["loc"]
-    if kind == "missing":
-        return "missing (this field is required)"
-    if kind == "extra_forbidden":
-        model = ModelSettings if loc[0] == "model" and len(loc) > 1 else PatchFile
-        near = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        return f"unknown field ({hint}allowed: {', '.join(model.model_fields)})"
-    if kind == "literal_error":
-        return f"{short(err.get('input'))} is not allowed ({err['msg'].replace('Input should be ', 'use ')})"
-    return explain(err)
+    loc = err["loc"]
+    return explain_field(err, list((ModelSettings if loc[0] == "model" and len(loc) > 1 else PatchFile).model_fields))
 
 
 def _validate(data: Any, where: str) -> PatchFile:

@@ -6,8 +6,9 @@ key given twice in YAML/JSON is refused naming its lines, and a JSONL file is re
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,20 @@ def explain(err: dict, list_of: str = "a list") -> str:
     if kind.startswith("string_"):
         return f"must be a string, not {text}"
     return err["msg"]
+
+
+def explain_field(err: dict, allowed: Sequence[str], loc: Sequence | None = None) -> str:
+    """One pydantic error of a file's schema: a missing field, an unknown one (`allowed`: the fields where it
+    occurred, the nearest suggested; `loc`: its location if not err's), a value not allowed; else `explain`."""
+    kind = err["type"]
+    if kind == "missing":
+        return "missing (this field is required)"
+    if kind == "extra_forbidden":
+        near = difflib.get_close_matches(str((loc or err["loc"])[-1]), list(allowed), n=1)
+        return f"unknown field ({'did you mean ' + repr(near[0]) + '? ' if near else ''}allowed: {', '.join(allowed)})"
+    if kind == "literal_error":
+        return f"{short(err.get('input'))} is not allowed ({err['msg'].replace('Input should be ', 'use ')})"
+    return explain(err)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -18,7 +17,7 @@ from driver.checks.errors import one_line
 from driver.evidence.selection import Select
 from driver.judge.schema import Judge, check_prompting, check_seeds
 from driver.steering.schema import ConditionFields
-from driver.steering.userfiles import explain, read_yaml_file, short
+from driver.steering.userfiles import explain_field, read_yaml_file, short
 
 __all__ = ["SweepError", "SweepFile", "ModelSettings", "VectorSource", "Grid", "Tasks", "PromptSet", "Condition", "read_sweep_file",
            "one_line", "NAME"]  # fmt: skip
@@ -335,18 +334,10 @@ def _loc(loc: Sequence) -> str:
 
 
 def _explain(err: dict) -> str:
-    kind, loc, value = err["type"], [p for p in err["loc"] if not _is_tag(p)], err.get("input")
-    if kind == "missing":
-        return "missing (this field is required)"
-    if kind == "extra_forbidden":
-        top = str(loc[0]) if len(loc) > 1 else ""
-        model = _MODELS.get(top, SweepFile) if top != "vectors" or len(loc) > 2 else SweepFile
-        allowed = list(model.model_fields)
-        near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        return f"unknown field ({'did you mean ' + repr(near[0]) + '? ' if near else ''}allowed: {', '.join(allowed)})"
-    if kind == "literal_error":
-        return f"{short(value)} is not allowed ({err['msg'].replace('Input should be ', 'use ')})"
-    return explain(err)
+    loc = [p for p in err["loc"] if not _is_tag(p)]
+    top = str(loc[0]) if len(loc) > 1 else ""
+    model = _MODELS.get(top, SweepFile) if top != "vectors" or len(loc) > 2 else SweepFile
+    return explain_field(err, list(model.model_fields), loc)
 
 
 def _validate(data: Any, where: str) -> SweepFile:

@@ -9,7 +9,7 @@ from ..split import stages
 from . import pipelined
 from .attribution import attribution
 from .exact import exact
-from .pairs import pairs_of, run_pairs
+from .pairs import pairs_of, run_pairs, unchanged
 from .spec import PatchRequest, cell_problem, group_problem
 
 
@@ -19,7 +19,7 @@ def patch(lm, requests: Sequence[PatchRequest], batching: Batching | None = None
     requests = [r if isinstance(r, PatchRequest) else PatchRequest.model_validate(r) for r in requests]
     check(lm, requests)
     pairs = pairs_of(requests, lm.max_length)
-    cells = [(pair, i) for pair in pairs for i in pair.requests if _method(requests[i]) == "exact"]
+    cells = [(pair, i) for pair in pairs for i in pair.requests if _method(requests[i]) == "exact" and not unchanged(pair, requests[i].cell)]
     if stages.pipelined(lm):  # a pipeline group: the last rank answers, the others give None per request
         pipelined.run_pairs(lm, pairs, requests)
         values = pipelined.exact(lm, cells, requests, batching) | pipelined.attribution(lm, pairs, requests)

@@ -51,6 +51,14 @@ class Pair:
         return kept | {f"resid_post.{split(c) - 1}" for c in cells if c.method == "exact" and split(c) > 0}
 
 
+def unchanged(pair: Pair, cell: PatchCell) -> bool:
+    """Whether patching `cell` puts in what is already there: a position before the prompts' first differing token,
+    where causal attention makes the clean and corrupt activations equal at every site and layer. The patched run
+    is then the corrupt run: its logit difference, no forward (what a per-cell loop spends a forward on)."""
+    first = next((p for p, (a, b) in enumerate(zip(pair.clean, pair.corrupt)) if a != b), len(pair.clean))
+    return cell.position is not None and cell.position < first
+
+
 def pairs_of(requests: Sequence[PatchRequest], max_length: int) -> list[Pair]:
     """The chunk's distinct pairs in order of first appearance, each naming its requests."""
     found: dict[tuple, Pair] = {}
