@@ -65,29 +65,36 @@ prompts:
 
 
 @contextlib.contextmanager
-def without_evidence():
-    """The sweep as before issue 36: no logged samples, no records, no analysis, no steerability plots."""
-    from driver.evidence.analysis import Evidence
+def evidence_replaced(replace):
+    """The evidence's own functions (records, analysis, steerability plots) each replaced by replace(name, function)
+    while inside, put back after."""
     from driver.sweep import report, running
 
-    saved = (running.task_records, running.prompt_records, report.analyse, report.draw.steerability_plots)
-    running.task_records = running.prompt_records = lambda *a, **k: []
-    report.analyse = lambda outcome, select=None: Evidence([], [], [], False)
-    report.draw.steerability_plots = lambda rows: {}
+    places = [(running, "task_records"), (running, "prompt_records"), (report, "analyse"), (report.draw, "steerability_plots")]
+    saved = [getattr(module, name) for module, name in places]
+    for (module, name), fn in zip(places, saved):
+        setattr(module, name, replace(name, fn))
     try:
         yield
     finally:
-        running.task_records, running.prompt_records, report.analyse, report.draw.steerability_plots = saved
+        for (module, name), fn in zip(places, saved):
+            setattr(module, name, fn)
 
 
-@contextlib.contextmanager
+def without_evidence():
+    """The sweep as before issue 36: no logged samples (one_sweep), no records, no analysis, no steerability plots."""
+    from driver.evidence.analysis import Evidence
+
+    nothing = {"task_records": lambda *a, **k: [], "prompt_records": lambda *a, **k: [],
+               "analyse": lambda outcome, select=None: Evidence([], [], [], False), "steerability_plots": lambda rows: {}}  # fmt: skip
+    return evidence_replaced(lambda name, fn: nothing[name])
+
+
 def clocked(spent: list[float]):
-    """The evidence's own functions (records, analysis, steerability plots) timed as they run: their seconds summed
-    into spent[0] (what the evidence costs directly, apart from lm-eval's log_samples, which only the difference of
-    the two sweeps shows)."""
-    from driver.sweep import report, running
+    """The evidence's own functions timed as they run, their seconds summed into spent[0]: what the evidence costs
+    directly, apart from lm-eval's log_samples, which only the difference of the two sweeps shows."""
 
-    def timed(fn):
+    def timed(name, fn):
         def wrapper(*a, **k):
             start = time.perf_counter()
             try:
@@ -97,13 +104,7 @@ def clocked(spent: list[float]):
 
         return wrapper
 
-    saved = (running.task_records, running.prompt_records, report.analyse, report.draw.steerability_plots)
-    running.task_records, running.prompt_records, report.analyse = map(timed, saved[:3])
-    report.draw.steerability_plots = timed(saved[3])
-    try:
-        yield
-    finally:
-        running.task_records, running.prompt_records, report.analyse, report.draw.steerability_plots = saved
+    return evidence_replaced(timed)
 
 
 def one_sweep(path: Path, evidence: bool) -> tuple[float, float, int, float]:

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import patch_reference
+from bench_steer import interleave  # rotating order, every variant in every place of a round
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -192,17 +193,6 @@ def box_ceiling(folder: Path, requests: list, n: int) -> list[float]:
     return seconds
 
 
-def interleaved(variants: dict, repeat: int) -> tuple[dict[str, list[float]], dict]:
-    """Each variant `repeat` times, in turn (the box's load hits all alike): (seconds per run, last values)."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    values: dict = {}
-    for _ in range(repeat):
-        for name, fn in variants.items():
-            seconds, values[name] = timed(fn)
-            times[name].append(seconds)
-    return times, values
-
-
 def report(times: dict, counts: dict, values: dict, sample: list, cells: list, grid: int) -> None:
     """The table: cells/s of each variant against the per-cell loop; each loop's values against the job's."""
     rates = {name: counts[name] / min(t) for name, t in times.items()}
@@ -238,7 +228,7 @@ def in_process(args, folder: Path, pairs: list[dict], cells: list) -> None:
         hooked = patch_reference.hooked_model(folder)
         variants[TL] = lambda: patch_reference.patched_logit_diffs(hooked, pairs, sample)
         counts[TL] = len(sample)
-    times, values = interleaved(variants, args.repeat)
+    times, values = interleave(variants, args.repeat)
     report(times, counts, values, sample, cells, args.pairs * len(cells))
     if reference:
         print(f"TransformerLens row left out: {reference}")
@@ -248,8 +238,9 @@ def in_process(args, folder: Path, pairs: list[dict], cells: list) -> None:
 
 
 def before_first_difference(request) -> bool:
-    first = next(p for p, (a, b) in enumerate(zip(request.clean, request.corrupt)) if a != b)
-    return request.cell.position is not None and request.cell.position < first
+    from worker.patch.pairs import first_difference
+
+    return request.cell.position is not None and request.cell.position < first_difference(request.clean, request.corrupt)
 
 
 def scaling(args, folder: Path, pairs: list[dict], cells: list) -> None:

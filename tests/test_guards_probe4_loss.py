@@ -5,8 +5,6 @@ then on real Ray (the session's loopback cluster) with a real ring of 3 whose la
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 
 import pytest
@@ -42,21 +40,13 @@ ray = pytest.importorskip("ray")
 
 from ray import cloudpickle  # noqa: E402
 
-from cluster import ClusterError  # noqa: E402
-from test_groups import MC, _kill_when_running, _victim, evaluate, grouped, open_lm, tasks, within  # noqa: E402,F401
-from test_guards_probe_loss import Slower  # noqa: E402
+from test_groups import grouped, open_lm, tasks  # noqa: E402,F401
+from test_guards_probe_loss import Slower, lost_run  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
 
 
 def test_killing_the_last_rank_of_a_group_of_3_names_it(ray_cluster, stories_path, tasks):  # noqa: F811
     lm = open_lm(stories_path, grouped(Slower), group_size=3, split="pipeline", workers=1, max_restarts=0)
-    pid = _victim(lm, group=0, rank=2)
-    thread = _kill_when_running(lm, lambda: os.kill(pid, signal.SIGKILL))
-    try:
-        with within(180), pytest.raises(ClusterError) as e:
-            evaluate(lm, None, tasks, MC)
-    finally:
-        lm.executor.close()
-        thread.join(timeout=30)
-    assert str(e.value).startswith("every worker group is lost (group g0 lost: rank 2 on "), str(e.value)
+    error = lost_run(lm, tasks, rank=2, seconds=180)
+    assert str(error).startswith("every worker group is lost (group g0 lost: rank 2 on "), str(error)

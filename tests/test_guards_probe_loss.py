@@ -26,20 +26,27 @@ class Slower(Slow):
     delay = 0.3  # the run outlasts the kill
 
 
-def test_one_group_lost_with_no_restart_says_one_true_line(ray_cluster, llama_path, tasks, capfd):
-    lm = open_lm(llama_path, grouped(Slower), group_size=2, split="pipeline", workers=1, max_restarts=0)
-    pid = _victim(lm, group=0, rank=1)
+def lost_run(lm, tasks, rank: int, seconds: float) -> ClusterError:
+    """Group 0's `rank` killed (SIGKILL) once the run is under way: the error the run ends with within `seconds`
+    (the executor closed)."""
+    pid = _victim(lm, group=0, rank=rank)
     thread = _kill_when_running(lm, lambda: os.kill(pid, signal.SIGKILL))
     try:
-        with within(120), pytest.raises(ClusterError) as e:
+        with within(seconds), pytest.raises(ClusterError) as e:
             evaluate(lm, None, tasks, MC)
     finally:
         lm.executor.close()
         thread.join(timeout=30)
+    return e.value
+
+
+def test_one_group_lost_with_no_restart_says_one_true_line(ray_cluster, llama_path, tasks, capfd):
+    lm = open_lm(llama_path, grouped(Slower), group_size=2, split="pipeline", workers=1, max_restarts=0)
+    error = lost_run(lm, tasks, rank=1, seconds=120)
     import gc
 
     gc.collect()  # the dropped refs are released: Ray would print their errors now
-    message = str(e.value)
+    message = str(error)
     assert "\n" not in message and message.startswith("every worker group is lost (group g0 lost: rank 1 on "), message
     assert "not re-formed: no restart left (max_restarts=0)" in message
     out, err = capfd.readouterr()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from driver.patch.schema import PatchError
-from driver.steering.userfiles import jsonl_lines
+from driver.steering.userfiles import json_object, jsonl_lines
 
 FIELDS = ("clean", "corrupt", "correct", "wrong")
 
@@ -30,11 +30,7 @@ class Pair:
 
 
 def _pair(obj, at: str, line: int) -> Pair:
-    if not isinstance(obj, dict):
-        raise PatchError(f"{at}: expected a JSON object with {', '.join(FIELDS)}, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - set(FIELDS))
-    if unknown:
-        raise PatchError(f"{at}: unknown field {unknown[0]!r} (allowed: {', '.join(FIELDS)})")
+    json_object(obj, FIELDS, at, PatchError, ", ".join(FIELDS))
     for key in FIELDS:
         if key not in obj:
             raise PatchError(f"{at}: missing field {key!r}")

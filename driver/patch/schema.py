@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 from worker.patch.spec import PATCH_METHODS, PATCH_SITES
 
 from driver.checks.errors import one_line
-from driver.steering.userfiles import explain_field, read_yaml_file
+from driver.steering.userfiles import explain_field, nonempty_unique, read_yaml_file
 from driver.sweep.schema import ModelSettings
 
 __all__ = ["PatchError", "PatchFile", "read_patch_file"]
@@ -52,14 +52,7 @@ class PatchFile(BaseModel):
     @field_validator("sites", "layers", "positions", "heads", "method")
     @classmethod
     def _nonempty_unique(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return v
-        if not v:
-            raise ValueError("is empty: list at least one value")
-        twice = [x for i, x in enumerate(v) if x in v[:i]]
-        if twice:
-            raise ValueError(f"{twice[0]!r} is listed twice")
-        return v
+        return nonempty_unique(v)
 
 
 def _loc(loc: Sequence) -> str:

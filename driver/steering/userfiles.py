@@ -60,6 +60,19 @@ def explain(err: dict, list_of: str = "a list") -> str:
     return err["msg"]
 
 
+def nonempty_unique(values: Any) -> Any:
+    """A list a file gives (a grid's layers, a patch's sites ...) checked for what no validator's type says: empty,
+    or a value listed twice. Words such as `all` pass through."""
+    if isinstance(values, str) or values is None:
+        return values
+    if not values:
+        raise ValueError("is empty: list at least one value")
+    twice = [x for i, x in enumerate(values) if x in values[:i]]
+    if twice:
+        raise ValueError(f"{twice[0]!r} is listed twice")
+    return values
+
+
 def explain_field(err: dict, allowed: Sequence[str], loc: Sequence | None = None) -> str:
     """One pydantic error of a file's schema: a missing field, an unknown one (`allowed`: the fields where it
     occurred, the nearest suggested; `loc`: its location if not err's), a value not allowed; else `explain`."""
@@ -133,6 +146,17 @@ def read_yaml_file(path: Path, kind: str, fail: Callable[[str], Exception]) -> A
         return load_yaml(text)  # JSON is YAML; a key given twice is refused, naming its lines
     except yaml.YAMLError as e:
         raise fail(one_line(f"{path}: {yaml_problem(e)}")) from None
+
+
+def json_object(obj: Any, allowed: Sequence[str], at: str, fail: Callable[[str], Exception], expected: str) -> dict:
+    """One JSONL line's object checked for its shape: a JSON object (`expected` says with what), no field outside
+    `allowed`; the caller checks the fields' values."""
+    if not isinstance(obj, dict):
+        raise fail(f"{at}: expected a JSON object with {expected}, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(allowed))
+    if unknown:
+        raise fail(f"{at}: unknown field {unknown[0]!r} (allowed: {', '.join(allowed)})")
+    return obj
 
 
 def jsonl_lines(path: Path, fail: Callable[[str], Exception], missing: str, folder: str) -> list[tuple[int, Any]]:

@@ -21,7 +21,7 @@ from worker.spec import HEAD_SITES, NEGATIVE_HEAD, SITES
 
 from driver.checks.files import write_atomic
 from driver.checks.settings import integer
-from driver.steering.userfiles import jsonl_lines
+from driver.steering.userfiles import json_object, jsonl_lines
 
 METHODS = ("mean-diff", "pca-diff", "pca-center")
 _FIELDS = ("prompt", "positive", "negative")
@@ -53,11 +53,7 @@ class Pair:
 
 
 def _pair(obj, where: str, line: int = 0) -> Pair:
-    if not isinstance(obj, dict):
-        raise PairsError(f"{where}: expected a JSON object with positive and negative, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - set(_FIELDS))
-    if unknown:
-        raise PairsError(f"{where}: unknown field {unknown[0]!r} (allowed: {', '.join(_FIELDS)})")
+    json_object(obj, _FIELDS, where, PairsError, "positive and negative")
     for key in _FIELDS:
         if key in obj and not isinstance(obj[key], str):
             raise PairsError(f"{where}: field {key!r} must be a string, not {type(obj[key]).__name__}")

@@ -14,7 +14,7 @@ from typing import Any
 from worker.spec import HEAD_SITES, head_shape
 
 from driver.judge.schema import PROMPT
-from driver.steering.userfiles import jsonl_lines
+from driver.steering.userfiles import json_object, jsonl_lines
 from driver.sweep.configs import BASELINE, Config, Model, TopAt, choose_top, grid_configs, grid_vectors, nonempty
 from driver.sweep.schema import NAME, Grid, PromptSet, SweepError, SweepFile, Tasks, one_line, read_sweep_file
 
@@ -128,11 +128,7 @@ def read_prompts(path: Path, where: str) -> list[Prompt]:
     missing, folder = f"{where}: prompts: {path} does not exist", f"{where}: prompts: {path} is a folder, not a JSONL file"
     for n, obj in jsonl_lines(path, SweepError, missing, folder):
         at = f"{path}: line {n}"
-        if not isinstance(obj, dict):
-            raise SweepError(f"{at}: expected a JSON object with a \"prompt\", got {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"prompt", "targets"})
-        if unknown:
-            raise SweepError(f"{at}: unknown field {unknown[0]!r} (allowed: prompt, targets)")
+        json_object(obj, ("prompt", "targets"), at, SweepError, 'a "prompt"')
         prompt = obj.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise SweepError(f"{at}: \"prompt\" must be a non-empty string")

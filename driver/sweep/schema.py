@@ -17,7 +17,7 @@ from driver.checks.errors import one_line
 from driver.evidence.selection import Select
 from driver.judge.schema import Judge, check_prompting, check_seeds
 from driver.steering.schema import ConditionFields
-from driver.steering.userfiles import explain_field, read_yaml_file, short
+from driver.steering.userfiles import explain_field, nonempty_unique, read_yaml_file, short
 
 __all__ = ["SweepError", "SweepFile", "ModelSettings", "VectorSource", "Grid", "Tasks", "PromptSet", "Condition", "read_sweep_file",
            "one_line", "NAME"]  # fmt: skip
@@ -157,14 +157,7 @@ class Grid(BaseModel):
     @field_validator("ops", "positions", "sites", "heads", "vectors", "layers", "alphas", "thresholds")
     @classmethod
     def _nonempty_unique(cls, v: Any) -> Any:
-        if v == "all" or v is None:
-            return v
-        if not v:
-            raise ValueError("is empty: list at least one value")
-        seen = [x for i, x in enumerate(v) if x in v[:i]]
-        if seen:
-            raise ValueError(f"{seen[0]!r} is listed twice")
-        return v
+        return nonempty_unique(v)
 
 
 class Tasks(BaseModel):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import mlx.core as mx
 
@@ -43,6 +44,10 @@ class Pair:
     corrupt_ld: float = 0.0
     corrupt_kv: list | None = None  # per layer, the corrupt run's (keys, values) (worker.patch.suffix); None: not kept
 
+    @cached_property
+    def first_difference(self) -> int:
+        return first_difference(self.clean, self.corrupt)
+
     def points(self, requests: Sequence[PatchRequest]) -> set[str]:
         """The hook points this pair's runs keep: its cells' points, and the state entering each exact cell's split
         (resid_post of the block below it; none below block 0)."""
@@ -51,12 +56,16 @@ class Pair:
         return kept | {f"resid_post.{split(c) - 1}" for c in cells if c.method == "exact" and split(c) > 0}
 
 
+def first_difference(clean: Sequence[int], corrupt: Sequence[int]) -> int:
+    """The first position where the two prompts' tokens differ (their length where none does)."""
+    return next((p for p, (a, b) in enumerate(zip(clean, corrupt)) if a != b), len(clean))
+
+
 def unchanged(pair: Pair, cell: PatchCell) -> bool:
     """Whether patching `cell` puts in what is already there: a position before the prompts' first differing token,
     where causal attention makes the clean and corrupt activations equal at every site and layer. The patched run
     is then the corrupt run: its logit difference, no forward (what a per-cell loop spends a forward on)."""
-    first = next((p for p, (a, b) in enumerate(zip(pair.clean, pair.corrupt)) if a != b), len(pair.clean))
-    return cell.position is not None and cell.position < first
+    return cell.position is not None and cell.position < pair.first_difference
 
 
 def pairs_of(requests: Sequence[PatchRequest], max_length: int) -> list[Pair]:
